@@ -1,0 +1,38 @@
+# Two commands do all the set-up on a fresh machine (see README):
+#   make run    install into .venv and start a daemon with the default config
+#   make test   install into .venv (incl. test tools) and run lint, types and the suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+
+.PHONY: install install-test run test lint proto clean
+
+$(VENV)/.base: pyproject.toml
+	python3 -m venv $(VENV)
+	# torch first: the CPU build comes from local disk; installed later, nixl would pull a CUDA build.
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e .
+	touch $@
+
+$(VENV)/.test: $(VENV)/.base
+	$(PIP) install -e '.[test]'
+	touch $@
+
+install: $(VENV)/.base
+install-test: $(VENV)/.test
+
+run: install
+	$(VENV)/bin/kvxferd serve $(ARGS)
+
+lint: install-test
+	$(PY) -m ruff check kvxferd clients tests scripts
+	$(PY) -m mypy
+
+test: install-test lint
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+proto: install-test
+	$(PY) scripts/gen_proto.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

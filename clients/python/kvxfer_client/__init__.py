@@ -1,0 +1,39 @@
+"""Engine-side client of kvxferd: hand KV chunks to the node's daemon and receive them.
+
+Blocking: PrefillSender, DecodeReceiver. asyncio: AsyncPrefillSender, AsyncDecodeReceiver
+(created with ``await AsyncPrefillSender.create(...)``). No gRPC knowledge needed.
+"""
+
+from kvxfer_client._aio import AsyncDecodeReceiver, AsyncPrefillSender
+from kvxfer_client._common import (
+    Chunk,
+    KvxferError,
+    Landed,
+    Layout,
+    RoomEvent,
+    RoomFailed,
+    RoomState,
+    RoomStatus,
+    Slot,
+    default_socket,
+)
+from kvxfer_client._sync import DecodeReceiver, PrefillSender
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncDecodeReceiver",
+    "AsyncPrefillSender",
+    "Chunk",
+    "DecodeReceiver",
+    "KvxferError",
+    "Landed",
+    "Layout",
+    "PrefillSender",
+    "RoomEvent",
+    "RoomFailed",
+    "RoomState",
+    "RoomStatus",
+    "Slot",
+    "default_socket",
+]

@@ -1,0 +1,254 @@
+"""asyncio client: AsyncPrefillSender and AsyncDecodeReceiver (same calls as the blocking ones)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+import grpc
+
+from kvxfer_client._common import (
+    CHANNEL_OPTIONS,
+    Chunk,
+    KvxferError,
+    Landed,
+    Layout,
+    PoolMapping,
+    Registration,
+    RoomEvent,
+    RoomFailed,
+    RoomState,
+    RoomStatus,
+    Slot,
+    chunk_request,
+    register_request,
+    registration,
+    room_event,
+    room_pb,
+    room_status,
+    target,
+    watermark_request,
+    wrap_rpc_error,
+)
+from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+
+
+class _AsyncEngineClient:
+    role = 0
+
+    def __init__(self, *, socket: str | None = None, call_timeout: float = 10.0) -> None:
+        self.layout: Layout | None = None
+        self._channel = grpc.aio.insecure_channel(target(socket), options=CHANNEL_OPTIONS)
+        self.stub = engine_pb2_grpc.EngineStub(self._channel)
+        self._timeout = call_timeout
+        self.reg: Registration | None = None
+        self.pool: PoolMapping | None = None
+        self._renewer: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def create(
+        cls, *, group: str, layout: Layout, tp_size: int = 1, tp_rank: int = 0, ring_bytes: int = 64 << 20,
+        socket: str | None = None, name: str = "", lease_ms: int = 0, cuda_ring: dict[str, Any] | None = None,
+        map_pool: bool = True, call_timeout: float = 10.0,
+    ) -> Any:
+        self = cls(socket=socket, call_timeout=call_timeout)
+        self.layout = layout
+        req = register_request(self.role, group, layout, tp_size, tp_rank, ring_bytes, name, lease_ms, cuda_ring)
+        self.reg = registration(await self._call(self.stub.RegisterEngine, req))
+        if map_pool and cuda_ring is None:
+            self.pool = PoolMapping(self.reg)
+        self._renewer = asyncio.ensure_future(self._renew())
+        return self
+
+    @property
+    def engine_id(self) -> str:
+        assert self.reg is not None
+        return self.reg.engine_id
+
+    @property
+    def peer_address(self) -> str:
+        assert self.reg is not None
+        return self.reg.peer_address
+
+    async def _call(self, fn: Any, req: Any) -> Any:
+        try:
+            return await fn(req, timeout=self._timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise wrap_rpc_error(exc) from None
+
+    async def _renew(self) -> None:
+        assert self.reg is not None
+        period = max(0.05, self.reg.lease_ms / 3000)
+        while True:
+            await asyncio.sleep(period)
+            try:
+                await self.stub.KeepAlive(engine_pb2.KeepAliveRequest(engine_id=self.engine_id), timeout=period)
+            except grpc.aio.AioRpcError:
+                continue
+
+    def view(self, offset: int, length: int) -> memoryview:
+        if self.pool is None:
+            raise RuntimeError("this engine's ring is not a host ring mapped here")
+        return self.pool.view(offset, length)
+
+    async def poll(self, room: int, generation: int = 0) -> RoomStatus:
+        return room_status(await self._call(
+            self.stub.PollRoom, engine_pb2.PollRoomRequest(engine_id=self.engine_id, room=room_pb(room, generation))))
+
+    async def wait(self, room: int, timeout: float = 60.0, generation: int = 0, poll_s: float = 0.002) -> RoomStatus:
+        deadline = time.monotonic() + timeout
+        delay = poll_s / 4
+        while True:
+            st = await self.poll(room, generation)
+            if st.state is RoomState.FAILED:
+                raise RoomFailed(room, st.failure_code, st.failure_reason)
+            if st.state is RoomState.SUCCESS:
+                return st
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"room {room} still {st.state.name} after {timeout} s")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, poll_s)
+
+    async def watch(self) -> AsyncIterator[RoomEvent]:
+        call = self.stub.WatchRooms(engine_pb2.WatchRoomsRequest(engine_id=self.engine_id))
+        try:
+            async for ev in call:
+                yield room_event(ev)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                raise wrap_rpc_error(exc) from None
+        finally:
+            call.cancel()
+
+    async def abort(self, room: int, reason: str = "", generation: int = 0) -> None:
+        await self._call(self.stub.AbortRoom, engine_pb2.AbortRoomRequest(
+            engine_id=self.engine_id, room=room_pb(room, generation), reason=reason))
+
+    async def release(self, room: int, generation: int = 0) -> None:
+        await self._call(self.stub.ReleaseRoom, engine_pb2.ReleaseRoomRequest(
+            engine_id=self.engine_id, room=room_pb(room, generation)))
+
+    async def status(self) -> engine_pb2.DaemonStatus:
+        return await self._call(self.stub.GetStatus, engine_pb2.GetStatusRequest())
+
+    async def close(self, unregister: bool = True) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
+            self._renewer = None
+        if unregister and self.reg is not None:
+            try:
+                await self.stub.UnregisterEngine(
+                    engine_pb2.UnregisterEngineRequest(engine_id=self.engine_id), timeout=2)
+            except grpc.aio.AioRpcError:
+                pass
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+        await self._channel.close()
+
+    async def __aenter__(self) -> Any:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class AsyncPrefillSender(_AsyncEngineClient):
+    role = engine_pb2.ROLE_PREFILL
+
+    async def acquire(self, num_tokens: int, timeout: float = 30.0) -> Slot:
+        deadline = time.monotonic() + timeout
+        delay = 0.0005
+        req = engine_pb2.AcquireSlotRequest(engine_id=self.engine_id, num_tokens=num_tokens)
+        while True:
+            try:
+                reply = await self.stub.AcquireSlot(req, timeout=self._timeout)
+                return Slot(reply.slot.offset, reply.slot.length, reply.chunk_bytes)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > deadline:
+                    raise wrap_rpc_error(exc) from None
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.02)
+
+    async def release_slot(self, slot: Slot) -> None:
+        await self._call(self.stub.ReleaseSlot, engine_pb2.ReleaseSlotRequest(
+            engine_id=self.engine_id, slot=common_pb2.Slot(offset=slot.offset, length=slot.length)))
+
+    def slot_view(self, slot: Slot) -> memoryview:
+        return self.view(slot.offset, slot.chunk_bytes)
+
+    async def enqueue(
+        self, room: int, chunk_id: int, token_start: int, num_tokens: int, slot: Slot, last: bool = False,
+        aux: bytes = b"", generation: int = 0,
+    ) -> None:
+        c = Chunk(room, chunk_id, token_start, num_tokens, slot, last, aux, generation)
+        await self._call(self.stub.EnqueueChunk, chunk_request(self.engine_id, c))
+
+    async def enqueue_many(self, chunks: list[Chunk]) -> list[KvxferError | None]:
+        reply = await self._call(self.stub.EnqueueChunks, engine_pb2.EnqueueChunksRequest(
+            chunks=[chunk_request(self.engine_id, c) for c in chunks]))
+        codes = {sc.value[0]: sc for sc in grpc.StatusCode}
+        return [None if r.code == 0 else KvxferError(codes.get(r.code, grpc.StatusCode.UNKNOWN), r.message)
+                for r in reply.results]
+
+    async def send_chunk(
+        self, room: int, chunk_id: int, token_start: int, num_tokens: int, data: bytes | memoryview,
+        last: bool = False, aux: bytes = b"", generation: int = 0, timeout: float = 30.0,
+    ) -> Slot:
+        slot = await self.acquire(num_tokens, timeout)
+        mv = memoryview(data).cast("B")
+        if mv.nbytes != slot.chunk_bytes:
+            await self.release_slot(slot)
+            raise ValueError(f"chunk data is {mv.nbytes} B; {num_tokens} tokens need {slot.chunk_bytes} B")
+        self.slot_view(slot)[:] = mv
+        try:
+            await self.enqueue(room, chunk_id, token_start, num_tokens, slot, last, aux, generation)
+        except KvxferError:
+            await self.release_slot(slot)
+            raise
+        return slot
+
+
+class AsyncDecodeReceiver(_AsyncEngineClient):
+    role = engine_pb2.ROLE_DECODE
+
+    async def expect(
+        self, room: int, prefill_address: str, prefill_group: str, num_tokens: int, deadline_ms: int = 0,
+        generation: int = 0,
+    ) -> RoomState:
+        reply = await self._call(self.stub.ExpectRoom, engine_pb2.ExpectRoomRequest(
+            engine_id=self.engine_id, room=room_pb(room, generation), prefill_address=prefill_address,
+            prefill_group=prefill_group, num_tokens=num_tokens, deadline_ms=deadline_ms))
+        return RoomState(reply.state)
+
+    def read(self, chunk: Landed) -> memoryview:
+        return self.view(chunk.offset, chunk.chunk_bytes)
+
+    async def watermark(self, room: int, chunk_ids: Iterable[int], generation: int = 0) -> None:
+        await self._call(self.stub.Watermark, watermark_request(self.engine_id, room, chunk_ids, generation))
+
+    async def receive(
+        self, room: int, timeout: float = 60.0, generation: int = 0
+    ) -> tuple[dict[int, bytes], RoomStatus]:
+        got: dict[int, bytes] = {}
+        deadline = time.monotonic() + timeout
+        delay = 0.0005
+        while True:
+            st = await self.poll(room, generation)
+            fresh = [c for c in st.landed if c.chunk_id not in got]
+            for c in fresh:
+                got[c.chunk_id] = bytes(self.read(c))
+            if fresh:
+                await self.watermark(room, [c.chunk_id for c in fresh], generation)
+                delay = 0.0005
+            if st.state is RoomState.FAILED:
+                raise RoomFailed(room, st.failure_code, st.failure_reason)
+            if st.state is RoomState.SUCCESS and not fresh:
+                return got, st
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"room {room} still {st.state.name} after {timeout} s")
+            if not fresh:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.005)

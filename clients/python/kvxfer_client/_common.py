@@ -1,0 +1,256 @@
+"""Pieces shared by the sync and asyncio clients: types, request builders, the pool mapping."""
+
+from __future__ import annotations
+
+import enum
+import mmap
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2
+
+MAX_MESSAGE_BYTES = 4 << 20
+
+
+def default_socket() -> str:
+    env = os.environ.get("KVXFERD_SOCKET")
+    if env:
+        return env
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return os.path.join(runtime, "kvxferd", "kvxferd.sock")
+    return f"/tmp/kvxferd-{os.getuid()}/kvxferd.sock"
+
+
+def target(socket: str | None) -> str:
+    """gRPC target: a Unix socket path, or HOST:PORT for a TCP engine listener."""
+    path = socket or default_socket()
+    if path.startswith("unix:") or (":" in path and not path.startswith("/")):
+        return path
+    return f"unix:{path}"
+
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+class RoomState(enum.IntEnum):
+    BOOTSTRAPPING = 1
+    WAITING_FOR_INPUT = 2
+    TRANSFERRING = 3
+    SUCCESS = 4
+    FAILED = 5
+
+
+class KvxferError(Exception):
+    """A call the daemon refused; `code` is the gRPC status code."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+class RoomFailed(KvxferError):
+    """The room ended FAILED; `failure_code` and `reason` say why (both sides see the same)."""
+
+    def __init__(self, room: int, failure_code: str, reason: str) -> None:
+        super().__init__(grpc.StatusCode.ABORTED, f"room {room} failed ({failure_code}): {reason}")
+        self.room = room
+        self.failure_code = failure_code
+        self.reason = reason
+
+
+def wrap_rpc_error(exc: grpc.RpcError) -> KvxferError:
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    return KvxferError(code, details or "")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The model's KV layout as the engine holds it (see the proto's KVLayout)."""
+
+    num_layers: int
+    total_kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    page_size: int = 16
+    mla: bool = False
+    dtype: str = ""
+
+    def to_pb(self) -> common_pb2.KVLayout:
+        return common_pb2.KVLayout(
+            num_layers=self.num_layers, total_kv_heads=self.total_kv_heads, head_dim=self.head_dim,
+            dtype_bytes=self.dtype_bytes, page_size=self.page_size, mla=self.mla, dtype=self.dtype,
+        )
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A slot in this engine's ring: the chunk is written at [offset, offset + chunk_bytes)."""
+
+    offset: int
+    length: int
+    chunk_bytes: int
+
+
+@dataclass(frozen=True)
+class Landed:
+    """A chunk whose every writer has landed in this reader's ring."""
+
+    chunk_id: int
+    offset: int
+    length: int
+    token_start: int
+    num_tokens: int
+    last: bool
+    chunk_bytes: int
+
+
+@dataclass(frozen=True)
+class RoomStatus:
+    room: int
+    generation: int
+    state: RoomState
+    failure_code: str
+    failure_reason: str
+    landed: tuple[Landed, ...] = ()
+    aux: bytes = b""
+    chunks_done: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.state in (RoomState.SUCCESS, RoomState.FAILED)
+
+
+@dataclass(frozen=True)
+class RoomEvent:
+    room: int
+    generation: int
+    state: RoomState
+    failure_code: str = ""
+    failure_reason: str = ""
+    landed: Landed | None = None
+    aux: bytes = b""
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One chunk to enqueue (for batched enqueue)."""
+
+    room: int
+    chunk_id: int
+    token_start: int
+    num_tokens: int
+    slot: Slot
+    last: bool = False
+    aux: bytes = b""
+    generation: int = 0
+
+
+@dataclass
+class Registration:
+    engine_id: str
+    pool_path: str
+    pool_bytes: int
+    ring_offset: int
+    ring_bytes: int
+    lease_ms: int
+    daemon_id: str
+    peer_address: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def register_request(
+    role: int, group: str, layout: Layout, tp_size: int, tp_rank: int, ring_bytes: int, name: str,
+    lease_ms: int, cuda_ring: dict[str, Any] | None, pp_size: int = 1, pp_rank: int = 0,
+) -> engine_pb2.RegisterEngineRequest:
+    req = engine_pb2.RegisterEngineRequest(
+        role=engine_pb2.Role.ValueType(role), group=group, layout=layout.to_pb(),
+        parallel=common_pb2.Parallelism(tp_size=tp_size, tp_rank=tp_rank, pp_size=pp_size, pp_rank=pp_rank),
+        ring_bytes=ring_bytes, lease_ms=lease_ms, name=name,
+    )
+    if cuda_ring is not None:
+        req.cuda_ring.CopyFrom(engine_pb2.CudaIpcRing(**cuda_ring))
+    return req
+
+
+def registration(reply: engine_pb2.RegisterEngineReply) -> Registration:
+    return Registration(
+        engine_id=reply.engine_id, pool_path=reply.pool_path, pool_bytes=reply.pool_bytes,
+        ring_offset=reply.ring_offset, ring_bytes=reply.ring_bytes, lease_ms=reply.lease_ms,
+        daemon_id=reply.daemon_id, peer_address=reply.peer_address,
+    )
+
+
+def room_pb(room: int, generation: int = 0) -> common_pb2.RoomKey:
+    return common_pb2.RoomKey(id=room, generation=generation)
+
+
+def chunk_request(engine_id: str, c: Chunk) -> engine_pb2.EnqueueChunkRequest:
+    return engine_pb2.EnqueueChunkRequest(
+        engine_id=engine_id, room=room_pb(c.room, c.generation), chunk_id=c.chunk_id, token_start=c.token_start,
+        num_tokens=c.num_tokens, slot=common_pb2.Slot(offset=c.slot.offset, length=c.slot.length), last=c.last,
+        aux=c.aux,
+    )
+
+
+def _failure_name(code: int) -> str:
+    return common_pb2.FailureCode.Name(code).removeprefix("FAILURE_CODE_") if code else ""
+
+
+def landed(pb: engine_pb2.LandedChunk) -> Landed:
+    return Landed(pb.chunk_id, pb.slot.offset, pb.slot.length, pb.token_start, pb.num_tokens, pb.last, pb.chunk_bytes)
+
+
+def room_status(pb: engine_pb2.RoomStatus) -> RoomStatus:
+    return RoomStatus(
+        room=pb.room.id, generation=pb.room.generation, state=RoomState(pb.state),
+        failure_code=_failure_name(pb.failure_code), failure_reason=pb.failure_reason,
+        landed=tuple(landed(c) for c in pb.landed), aux=bytes(pb.aux), chunks_done=pb.chunks_done,
+    )
+
+
+def room_event(pb: engine_pb2.RoomEvent) -> RoomEvent:
+    return RoomEvent(
+        room=pb.room.id, generation=pb.room.generation, state=RoomState(pb.state),
+        failure_code=_failure_name(pb.failure_code), failure_reason=pb.failure_reason,
+        landed=landed(pb.landed) if pb.HasField("landed") else None, aux=bytes(pb.aux),
+    )
+
+
+def watermark_request(engine_id: str, room: int, chunk_ids: Iterable[int], generation: int = 0) -> engine_pb2.WatermarkRequest:
+    return engine_pb2.WatermarkRequest(engine_id=engine_id, room=room_pb(room, generation), chunk_ids=list(chunk_ids))
+
+
+class PoolMapping:
+    """The daemon's host pool mapped into this process; the engine's ring is a window of it."""
+
+    def __init__(self, reg: Registration) -> None:
+        fd = os.open(reg.pool_path, os.O_RDWR)
+        try:
+            self._mm = mmap.mmap(fd, reg.pool_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._ring = memoryview(self._mm)[reg.ring_offset : reg.ring_offset + reg.ring_bytes]
+        self.ring_bytes = reg.ring_bytes
+
+    def view(self, offset: int, length: int) -> memoryview:
+        if offset < 0 or length < 0 or offset + length > self.ring_bytes:
+            raise ValueError(f"[{offset}, {offset + length}) is outside this engine's ring of {self.ring_bytes} B")
+        return self._ring[offset : offset + length]
+
+    def close(self) -> None:
+        self._ring.release()
+        try:
+            self._mm.close()
+        except BufferError:
+            # A caller still holds a view (e.g. a numpy array); the OS unmaps at exit.
+            pass

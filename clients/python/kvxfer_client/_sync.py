@@ -1,0 +1,268 @@
+"""Blocking client: PrefillSender and DecodeReceiver."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import grpc
+
+from kvxfer_client._common import (
+    CHANNEL_OPTIONS,
+    Chunk,
+    KvxferError,
+    Landed,
+    Layout,
+    PoolMapping,
+    Registration,
+    RoomEvent,
+    RoomFailed,
+    RoomState,
+    RoomStatus,
+    Slot,
+    chunk_request,
+    register_request,
+    registration,
+    room_event,
+    room_pb,
+    room_status,
+    target,
+    watermark_request,
+    wrap_rpc_error,
+)
+from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+
+_RETRYABLE_FULL = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class _EngineClient:
+    role = 0
+
+    def __init__(
+        self, *, group: str, layout: Layout, tp_size: int = 1, tp_rank: int = 0, ring_bytes: int = 64 << 20,
+        socket: str | None = None, name: str = "", lease_ms: int = 0, cuda_ring: dict[str, Any] | None = None,
+        map_pool: bool = True, call_timeout: float = 10.0,
+    ) -> None:
+        self._channel = grpc.insecure_channel(target(socket), options=CHANNEL_OPTIONS)
+        self.stub = engine_pb2_grpc.EngineStub(self._channel)
+        self._timeout = call_timeout
+        self.layout = layout
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+        req = register_request(self.role, group, layout, tp_size, tp_rank, ring_bytes, name, lease_ms, cuda_ring)
+        self.reg: Registration = registration(self._call(self.stub.RegisterEngine, req))
+        self.engine_id = self.reg.engine_id
+        self.pool = PoolMapping(self.reg) if (map_pool and cuda_ring is None) else None
+        self._closed = threading.Event()
+        # Renew at a third of the lease so one lost renewal is not fatal.
+        self._keepalive = threading.Thread(
+            target=self._renew, name=f"kvxfer-keepalive-{self.engine_id[:8]}", daemon=True
+        )
+        self._keepalive.start()
+
+    def _call(self, fn: Any, req: Any, timeout: float | None = None) -> Any:
+        try:
+            return fn(req, timeout=timeout or self._timeout)
+        except grpc.RpcError as exc:
+            raise wrap_rpc_error(exc) from None
+
+    def _renew(self) -> None:
+        period = max(0.05, self.reg.lease_ms / 3000)
+        while not self._closed.wait(period):
+            try:
+                self.stub.KeepAlive(engine_pb2.KeepAliveRequest(engine_id=self.engine_id), timeout=period)
+            except grpc.RpcError:
+                continue
+
+    @property
+    def daemon_id(self) -> str:
+        return self.reg.daemon_id
+
+    @property
+    def peer_address(self) -> str:
+        return self.reg.peer_address
+
+    def view(self, offset: int, length: int) -> memoryview:
+        if self.pool is None:
+            raise RuntimeError("this engine's ring is not a host ring mapped here")
+        return self.pool.view(offset, length)
+
+    def poll(self, room: int, generation: int = 0) -> RoomStatus:
+        return room_status(self._call(
+            self.stub.PollRoom, engine_pb2.PollRoomRequest(engine_id=self.engine_id, room=room_pb(room, generation))
+        ))
+
+    def wait(self, room: int, timeout: float = 60.0, generation: int = 0, poll_s: float = 0.002) -> RoomStatus:
+        """Polls until the room is finished; raises RoomFailed if it failed, TimeoutError if it takes too long."""
+        deadline = time.monotonic() + timeout
+        delay = poll_s / 4
+        while True:
+            st = self.poll(room, generation)
+            if st.state is RoomState.FAILED:
+                raise RoomFailed(room, st.failure_code, st.failure_reason)
+            if st.state is RoomState.SUCCESS:
+                return st
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"room {room} still {st.state.name} after {timeout} s")
+            time.sleep(delay)
+            delay = min(delay * 2, poll_s)
+
+    def watch(self) -> Iterator[RoomEvent]:
+        """Events for every room of this engine, as they happen (server stream)."""
+        stream = self.stub.WatchRooms(engine_pb2.WatchRoomsRequest(engine_id=self.engine_id))
+        try:
+            for ev in stream:
+                yield room_event(ev)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                raise wrap_rpc_error(exc) from None
+        finally:
+            stream.cancel()
+
+    def abort(self, room: int, reason: str = "", generation: int = 0) -> None:
+        self._call(self.stub.AbortRoom, engine_pb2.AbortRoomRequest(
+            engine_id=self.engine_id, room=room_pb(room, generation), reason=reason))
+
+    def release(self, room: int, generation: int = 0) -> None:
+        self._call(self.stub.ReleaseRoom, engine_pb2.ReleaseRoomRequest(
+            engine_id=self.engine_id, room=room_pb(room, generation)))
+
+    def status(self) -> engine_pb2.DaemonStatus:
+        return self._call(self.stub.GetStatus, engine_pb2.GetStatusRequest())
+
+    def close(self, unregister: bool = True) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        if unregister:
+            try:
+                self.stub.UnregisterEngine(engine_pb2.UnregisterEngineRequest(engine_id=self.engine_id), timeout=2)
+            except grpc.RpcError:
+                pass
+        if self.pool is not None:
+            self.pool.close()
+        self._channel.close()
+
+    def __enter__(self) -> _EngineClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class PrefillSender(_EngineClient):
+    """A prefill engine rank: get a slot, write the chunk's KV into it, enqueue, poll."""
+
+    role = engine_pb2.ROLE_PREFILL
+
+    def acquire(self, num_tokens: int, timeout: float = 30.0) -> Slot:
+        """A slot for `num_tokens` tokens; waits while the ring is full (transfers free slots)."""
+        deadline = time.monotonic() + timeout
+        delay = 0.0005
+        req = engine_pb2.AcquireSlotRequest(engine_id=self.engine_id, num_tokens=num_tokens)
+        while True:
+            try:
+                reply = self.stub.AcquireSlot(req, timeout=self._timeout)
+                return Slot(reply.slot.offset, reply.slot.length, reply.chunk_bytes)
+            except grpc.RpcError as exc:
+                if exc.code() != _RETRYABLE_FULL or time.monotonic() > deadline:
+                    raise wrap_rpc_error(exc) from None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.02)
+
+    def release_slot(self, slot: Slot) -> None:
+        self._call(self.stub.ReleaseSlot, engine_pb2.ReleaseSlotRequest(
+            engine_id=self.engine_id, slot=common_pb2.Slot(offset=slot.offset, length=slot.length)))
+
+    def slot_view(self, slot: Slot) -> memoryview:
+        return self.view(slot.offset, slot.chunk_bytes)
+
+    def enqueue(
+        self, room: int, chunk_id: int, token_start: int, num_tokens: int, slot: Slot, last: bool = False,
+        aux: bytes = b"", generation: int = 0,
+    ) -> None:
+        c = Chunk(room, chunk_id, token_start, num_tokens, slot, last, aux, generation)
+        self._call(self.stub.EnqueueChunk, chunk_request(self.engine_id, c))
+
+    def enqueue_many(self, chunks: Sequence[Chunk]) -> list[KvxferError | None]:
+        """One RPC for many chunks; returns None per accepted chunk, else its error."""
+        reply = self._call(self.stub.EnqueueChunks, engine_pb2.EnqueueChunksRequest(
+            chunks=[chunk_request(self.engine_id, c) for c in chunks]))
+        out: list[KvxferError | None] = []
+        for r in reply.results:
+            out.append(None if r.code == 0 else KvxferError(_status(r.code), r.message))
+        return out
+
+    def send_chunk(
+        self, room: int, chunk_id: int, token_start: int, num_tokens: int, data: bytes | memoryview,
+        last: bool = False, aux: bytes = b"", generation: int = 0, timeout: float = 30.0,
+    ) -> Slot:
+        """Convenience: acquire a slot, copy `data` (the chunk in slot layout) into it, enqueue."""
+        slot = self.acquire(num_tokens, timeout)
+        mv = memoryview(data).cast("B")
+        if mv.nbytes != slot.chunk_bytes:
+            self.release_slot(slot)
+            raise ValueError(f"chunk data is {mv.nbytes} B; {num_tokens} tokens need {slot.chunk_bytes} B")
+        self.slot_view(slot)[:] = mv
+        try:
+            self.enqueue(room, chunk_id, token_start, num_tokens, slot, last, aux, generation)
+        except KvxferError:
+            self.release_slot(slot)
+            raise
+        return slot
+
+
+def _status(code: int) -> grpc.StatusCode:
+    for sc in grpc.StatusCode:
+        if sc.value[0] == code:
+            return sc
+    return grpc.StatusCode.UNKNOWN
+
+
+class DecodeReceiver(_EngineClient):
+    """A decode engine rank: expect a room, read landed chunks, watermark them, release."""
+
+    role = engine_pb2.ROLE_DECODE
+
+    def expect(
+        self, room: int, prefill_address: str, prefill_group: str, num_tokens: int, deadline_ms: int = 0,
+        generation: int = 0,
+    ) -> RoomState:
+        reply = self._call(self.stub.ExpectRoom, engine_pb2.ExpectRoomRequest(
+            engine_id=self.engine_id, room=room_pb(room, generation), prefill_address=prefill_address,
+            prefill_group=prefill_group, num_tokens=num_tokens, deadline_ms=deadline_ms))
+        return RoomState(reply.state)
+
+    def read(self, chunk: Landed) -> memoryview:
+        """The landed chunk's bytes, in place in the ring (valid until watermarked)."""
+        return self.view(chunk.offset, chunk.chunk_bytes)
+
+    def watermark(self, room: int, chunk_ids: Iterable[int], generation: int = 0) -> None:
+        self._call(self.stub.Watermark, watermark_request(self.engine_id, room, chunk_ids, generation))
+
+    def receive(self, room: int, timeout: float = 60.0, generation: int = 0) -> tuple[dict[int, bytes], RoomStatus]:
+        """Convenience: copy out every chunk as it lands, watermark it, until SUCCESS.
+
+        Returns ({chunk_id: bytes}, final status). Raises RoomFailed / TimeoutError.
+        """
+        got: dict[int, bytes] = {}
+        deadline = time.monotonic() + timeout
+        delay = 0.0005
+        while True:
+            st = self.poll(room, generation)
+            fresh = [c for c in st.landed if c.chunk_id not in got]
+            for c in fresh:
+                got[c.chunk_id] = bytes(self.read(c))
+            if fresh:
+                self.watermark(room, [c.chunk_id for c in fresh], generation)
+                delay = 0.0005
+            if st.state is RoomState.FAILED:
+                raise RoomFailed(room, st.failure_code, st.failure_reason)
+            if st.state is RoomState.SUCCESS and not fresh:
+                return got, st
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"room {room} still {st.state.name} after {timeout} s")
+            if not fresh:
+                time.sleep(delay)
+                delay = min(delay * 2, 0.005)

@@ -1,0 +1,5 @@
+import sys
+
+from kvxferd.cli import main
+
+sys.exit(main())

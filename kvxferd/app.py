@@ -1,0 +1,328 @@
+"""Daemon lifecycle: build every part from the config, serve, drain, close.
+
+`serve(config, shutdown_trigger=None)` is the one entry point; tests stop it by
+setting the trigger instead of sending signals. SIGTERM/SIGINT: health goes
+NOT_SERVING, new work is refused with UNAVAILABLE, in-flight rooms get
+`drain_grace_s` to finish, the rest fail with SHUTDOWN on both sides, then
+everything is closed. A second SIGINT exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import grp
+import json
+import logging
+import os
+import signal
+import socket
+import stat
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from kvxfer_client._pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
+
+from kvxferd import __version__
+from kvxferd.config import Config
+from kvxferd.domain import FailureCode
+from kvxferd.memory import HostPool
+from kvxferd.metrics import Metrics, start_metrics_server
+from kvxferd.node import Node
+from kvxferd.peer import PeerManager, PeerServicer, grpc_options
+from kvxferd.scheduler import Scheduler
+from kvxferd.servicer import EngineServicer, wrap_servicer
+from kvxferd.transport import Transport
+from kvxferd.workers import WorkerPool
+
+logger = logging.getLogger(__name__)
+
+ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
+PEER_SERVICE = peer_pb2.DESCRIPTOR.services_by_name["Peer"].full_name
+PEER_UNARY = ("Handshake", "Bootstrap", "AllocSlot", "Watermark", "Complete", "Abort", "Heartbeat")
+
+
+class StartupError(RuntimeError):
+    """The daemon cannot start; the message is the one line the operator sees."""
+
+
+@dataclass(frozen=True)
+class Ready:
+    """What a started daemon tells its launcher (tests, `--ready-file`)."""
+
+    daemon_id: str
+    socket: str
+    peer_address: str
+    metrics_port: int
+    engine_tcp: str
+    pid: int
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__)
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "ts": round(record.created, 6),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "thread": record.threadName,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def setup_logging(config: Config) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if config.log_format == "json":
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(threadName)s] %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(config.log_level.upper())
+
+
+def make_transport(config: Config, name: str) -> Transport:
+    if config.transport == "local":
+        from kvxferd.transport import LocalTransport
+
+        return LocalTransport(name)
+    from kvxferd.transport import FaultInjector, NixlTransport
+
+    injector = FaultInjector() if config.fault_injection else None
+    return NixlTransport(name, progress_thread=config.nixl_progress_thread, fault_injector=injector)
+
+
+def _prepare_socket(path: str) -> None:
+    """Removes a socket file left by a dead daemon; refuses to steal a live one."""
+    if not os.path.exists(path):
+        return
+    if not stat.S_ISSOCK(os.stat(path).st_mode):
+        raise StartupError(f"socket path {path} exists and is not a socket")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        os.unlink(path)
+        return
+    finally:
+        probe.close()
+    raise StartupError(f"another daemon is already serving on {path}")
+
+
+def _server_credentials(config: Config) -> grpc.ServerCredentials | None:
+    if not config.tls_enabled:
+        return None
+    key, cert, ca = config.tls_material()
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=ca, require_client_auth=config.tls_client_auth
+    )
+
+
+def _bind(server: grpc.aio.Server, address: str, creds: grpc.ServerCredentials | None, what: str) -> int:
+    try:
+        port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise StartupError(f"cannot listen on {address} for the {what} (address in use or not local?)") from exc
+    if port == 0 and not address.startswith("unix:"):
+        raise StartupError(f"cannot listen on {address} for the {what} (address in use or not local?)")
+    return port
+
+
+def _cuda_importer() -> Callable[..., Any] | None:
+    try:
+        from kvxferd.gpu import make_cuda_importer
+    except ImportError:
+        return None
+    return make_cuda_importer()
+
+
+async def serve(
+    config: Config,
+    shutdown_trigger: asyncio.Event | Awaitable[Any] | None = None,
+    ready: Callable[[Ready], None] | None = None,
+    install_signal_handlers: bool = False,
+) -> int:
+    """Runs the daemon until the trigger fires (or a signal); returns the exit code."""
+    loop = asyncio.get_running_loop()
+    metrics = Metrics()
+    instance = uuid.uuid4().hex[:12]
+    try:
+        pool = HostPool(config.shm_dir, config.host_pool_bytes, instance, mode=config.socket_mode | 0o600)
+    except OSError as exc:
+        raise StartupError(f"cannot create the host pool in {config.shm_dir}: {exc.strerror}") from exc
+    transport: Transport | None = None
+    workers: WorkerPool | None = None
+    servers: list[grpc.aio.Server] = []
+    metrics_server: asyncio.AbstractServer | None = None
+    try:
+        try:
+            transport = make_transport(config, f"kvxferd-{instance}")
+            transport.register_region(pool.base_addr, pool.size, "DRAM", 0)
+        except Exception as exc:
+            raise StartupError(f"cannot start the NIXL agent: {exc}") from exc
+        node = Node(config, transport, pool, metrics)
+        node.instance_id = instance + uuid.uuid4().hex[:8]
+        workers = WorkerPool(transport, loop, config.workers)
+        node.scheduler = Scheduler(node, workers, metrics)
+        peers = PeerManager(node, config, workers, metrics)
+        node.peers = peers
+
+        health_servicer = health.aio.HealthServicer()
+        opts = grpc_options(config)
+        engine_server = grpc.aio.server(options=[*opts, ("grpc.so_reuseport", 0)])
+        peer_server = grpc.aio.server(options=[*opts, ("grpc.so_reuseport", 0)])
+        servers = [engine_server, peer_server]
+        engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(node, metrics, _cuda_importer()), engine_server)
+        peer_servicer = PeerServicer(node, peers)
+        wrap_servicer(peer_servicer, "Peer", metrics, PEER_UNARY)
+        peer_pb2_grpc.add_PeerServicer_to_server(peer_servicer, peer_server)
+        for srv in servers:
+            health_pb2_grpc.add_HealthServicer_to_server(health_servicer, srv)
+        reflection.enable_server_reflection(
+            (ENGINE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), engine_server
+        )
+        reflection.enable_server_reflection((PEER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), peer_server)
+
+        _prepare_socket(config.socket)
+        _bind(engine_server, f"unix:{config.socket}", None, "engine API socket")
+        engine_tcp = ""
+        creds = _server_credentials(config)
+        if config.listen:
+            port = _bind(engine_server, config.listen, creds, "engine API")
+            engine_tcp = f"{config.listen.rpartition(':')[0]}:{port}"
+        peer_port = _bind(peer_server, config.peer_listen, creds, "peer service")
+        peer_host = config.peer_listen.rpartition(":")[0]
+        node.address = config.advertise_address or f"{peer_host}:{peer_port}"
+        node.daemon_id = config.daemon_id or f"{socket.gethostname()}:{peer_port}"
+
+        for srv in servers:
+            await srv.start()
+        os.chmod(config.socket, config.socket_mode)
+        if config.socket_group:
+            try:
+                os.chown(config.socket, -1, grp.getgrnam(config.socket_group).gr_gid)
+            except (KeyError, PermissionError) as exc:
+                raise StartupError(f"cannot give the socket to group {config.socket_group!r}: {exc}") from exc
+        metrics_port = -1
+        if config.metrics_port >= 0:
+            try:
+                metrics_server, metrics_port = await start_metrics_server(
+                    config.metrics_host, config.metrics_port, metrics.registry
+                )
+            except OSError as exc:
+                raise StartupError(
+                    f"cannot serve metrics on {config.metrics_host}:{config.metrics_port}: {exc.strerror}"
+                ) from exc
+        workers.start()
+        workers.start_notif_poller(node.on_notifs)
+        peers.start()
+        for svc in ("", ENGINE_SERVICE, PEER_SERVICE):
+            await health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
+        sweeper = asyncio.ensure_future(_sweep(node))
+        logger.info(
+            "kvxferd %s serving: daemon %s, socket %s, peer %s, metrics %s:%d, pool %d MiB",
+            __version__, node.daemon_id, config.socket, node.address, config.metrics_host, metrics_port,
+            pool.size >> 20,
+        )
+        if ready is not None:
+            ready(Ready(node.daemon_id, config.socket, node.address, metrics_port, engine_tcp, os.getpid()))
+
+        stop = asyncio.Event()
+        forced = asyncio.Event()
+        if install_signal_handlers:
+            def _on_signal(sig: int) -> None:
+                if stop.is_set():
+                    logger.warning("second signal %d: exiting without drain", sig)
+                    forced.set()
+                    os._exit(130)
+                logger.info("signal %d: draining", sig)
+                stop.set()
+
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, _on_signal, sig)
+        waiters = [asyncio.ensure_future(stop.wait())]
+        if shutdown_trigger is not None:
+            trig = shutdown_trigger.wait() if isinstance(shutdown_trigger, asyncio.Event) else shutdown_trigger
+            waiters.append(asyncio.ensure_future(trig))
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        for w in waiters:
+            w.cancel()
+
+        # Drain.
+        node.serving = False
+        for svc in ("", ENGINE_SERVICE, PEER_SERVICE):
+            await health_servicer.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
+        t0 = time.monotonic()
+        while (node.active_rooms() or workers.in_flight) and time.monotonic() - t0 < config.drain_grace_s:
+            await asyncio.sleep(0.02)
+        left = node.active_rooms()
+        if left:
+            logger.warning("drain grace over: failing %d unfinished room(s)", left)
+            node.fail_all(FailureCode.SHUTDOWN, "daemon shut down before the room finished")
+            await asyncio.sleep(0.1)
+        logger.info("drained in %.2f s", time.monotonic() - t0)
+        sweeper.cancel()
+        await peers.stop()
+        return 0
+    finally:
+        for srv in servers:
+            await srv.stop(0.5)
+        if metrics_server is not None:
+            metrics_server.close()
+        if workers is not None:
+            workers.stop()
+        if transport is not None:
+            try:
+                transport.close()
+            except Exception as exc:
+                logger.warning("closing the transport failed: %s", exc)
+        pool.close()
+        try:
+            os.unlink(config.socket)
+        except OSError:
+            pass
+
+
+async def _sweep(node: Node) -> None:
+    """Lease expiry: a crashed engine stops renewing; its rooms fail and its ring is released."""
+    while True:
+        await asyncio.sleep(0.25)
+        try:
+            node.expire_leases()
+        except Exception:
+            logger.exception("lease sweep failed")
+
+
+def run(config: Config, ready_file: str | None = None) -> int:
+    """Blocking entry point for the CLI: uvloop, signals, one-line errors."""
+    setup_logging(config)
+
+    def _ready(r: Ready) -> None:
+        if ready_file:
+            tmp = ready_file + ".tmp"
+            with open(tmp, "w") as fh:
+                fh.write(r.to_json())
+            os.replace(tmp, ready_file)
+
+    try:
+        import uvloop
+
+        runner: Callable[..., int] = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    try:
+        return runner(serve(config, ready=_ready, install_signal_handlers=True))
+    except StartupError as exc:
+        print(f"kvxferd: error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,239 @@
+"""Daemon configuration: one TOML file, KVXFERD_* environment variables, flags.
+
+Precedence: flags > environment > file > defaults. Everything is validated once,
+at start, and a bad value stops the daemon with one clear line.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or out of range."""
+
+
+def _default_socket() -> str:
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return str(Path(runtime) / "kvxferd" / "kvxferd.sock")
+    return f"/tmp/kvxferd-{os.getuid()}/kvxferd.sock"
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([KMGT]i?B?|B)?\s*$", re.I)
+_SIZE_MULT = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(value: object) -> int:
+    """Bytes from an int or a string such as "256MiB" / "1G"."""
+    if isinstance(value, bool):
+        raise ConfigError(f"expected a size, got {value!r}")
+    if isinstance(value, int):
+        return value
+    m = _SIZE_RE.match(str(value))
+    if not m:
+        raise ConfigError(f"expected a size like 268435456 or '256MiB', got {value!r}")
+    unit = (m.group(2) or "").upper()[:1]
+    return int(m.group(1)) * _SIZE_MULT[unit]
+
+
+@dataclass(frozen=True)
+class Config:
+    # Engine API on a Unix socket; mode and group let engine users in.
+    socket: str = field(default_factory=_default_socket)
+    socket_mode: int = 0o600
+    socket_group: str = ""
+    # Optional engine API on TCP ("host:port"); off by default.
+    listen: str = ""
+    # Daemon-to-daemon peer service.
+    peer_listen: str = "127.0.0.1:7471"
+    # Address peers use to reach us; defaults to the bound peer address.
+    advertise_address: str = ""
+    daemon_id: str = ""
+    metrics_host: str = "127.0.0.1"
+    # 0 = ephemeral port, -1 = no metrics listener.
+    metrics_port: int = 9479
+    host_pool_bytes: int = 256 << 20
+    shm_dir: str = "/dev/shm"
+    workers: int = 2
+    nixl_progress_thread: bool = False
+    heartbeat_interval_s: float = 1.0
+    heartbeat_misses: int = 2
+    engine_lease_s: float = 10.0
+    room_deadline_s: float = 120.0
+    drain_grace_s: float = 20.0
+    max_message_bytes: int = 4 << 20
+    log_level: str = "info"
+    log_format: str = "json"
+    peers: tuple[str, ...] = ()
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    tls_client_auth: bool = False
+    # Test-only: lets tests inject NIXL errors through the transport's hook.
+    fault_injection: bool = False
+    # "nixl" (default) or "local" (in-process copies; unit tests only).
+    transport: str = "nixl"
+
+    def validate(self) -> Config:
+        if self.socket_mode < 0 or self.socket_mode > 0o777:
+            raise ConfigError(f"socket_mode must be an octal permission like 0o600, got {self.socket_mode}")
+        for key in ("listen", "peer_listen", "advertise_address"):
+            value = getattr(self, key)
+            if value and not _valid_hostport(value):
+                raise ConfigError(f"{key} must be HOST:PORT, got {value!r}")
+        if not self.peer_listen:
+            raise ConfigError("peer_listen must be set (HOST:PORT; port 0 picks a free port)")
+        for addr in self.peers:
+            if not _valid_hostport(addr):
+                raise ConfigError(f"peers entries must be HOST:PORT, got {addr!r}")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port must be -1 (off), 0 (ephemeral) or a port, got {self.metrics_port}")
+        if self.host_pool_bytes < (1 << 20):
+            raise ConfigError(f"host_pool_bytes must be at least 1 MiB, got {self.host_pool_bytes}")
+        if not 1 <= self.workers <= 256:
+            raise ConfigError(f"workers must be 1..256, got {self.workers}")
+        for key in ("heartbeat_interval_s", "engine_lease_s", "room_deadline_s"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"{key} must be > 0, got {getattr(self, key)}")
+        if self.drain_grace_s < 0:
+            raise ConfigError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
+        if self.heartbeat_misses < 1:
+            raise ConfigError(f"heartbeat_misses must be >= 1, got {self.heartbeat_misses}")
+        if self.max_message_bytes < 64 << 10:
+            raise ConfigError(f"max_message_bytes must be at least 65536, got {self.max_message_bytes}")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
+            raise ConfigError(f"log_level must be debug|info|warning|error, got {self.log_level!r}")
+        if self.log_format not in ("json", "text"):
+            raise ConfigError(f"log_format must be json|text, got {self.log_format!r}")
+        if self.transport not in ("nixl", "local"):
+            raise ConfigError(f"transport must be nixl|local, got {self.transport!r}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("tls_cert and tls_key must be given together")
+        if self.tls_client_auth and not (self.tls_ca and self.tls_cert):
+            raise ConfigError("tls_client_auth needs tls_ca, tls_cert and tls_key")
+        for key in ("tls_cert", "tls_key", "tls_ca"):
+            path = getattr(self, key)
+            if path and not Path(path).is_file():
+                raise ConfigError(f"{key}: no such file {path!r}")
+        if not Path(self.shm_dir).is_dir():
+            raise ConfigError(f"shm_dir {self.shm_dir!r} is not a directory")
+        _check_socket_path(self.socket)
+        return self
+
+    @property
+    def tls_enabled(self) -> bool:
+        return bool(self.tls_cert)
+
+    def tls_material(self) -> tuple[bytes, bytes, bytes | None]:
+        """(private key, certificate chain, CA bundle or None) as PEM bytes."""
+        ca = Path(self.tls_ca).read_bytes() if self.tls_ca else None
+        return Path(self.tls_key).read_bytes(), Path(self.tls_cert).read_bytes(), ca
+
+
+def _valid_hostport(value: str) -> bool:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return False
+    return 0 <= int(port) <= 65535
+
+
+def _check_socket_path(path: str) -> None:
+    if not path:
+        raise ConfigError("socket must be a path")
+    if len(path.encode()) > 107:
+        raise ConfigError(f"socket path is too long for a Unix socket ({len(path)} > 107): {path!r}")
+    parent = Path(path).parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as exc:
+        raise ConfigError(f"socket directory {str(parent)!r} cannot be created: {exc.strerror}") from exc
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"socket directory {str(parent)!r} is not writable")
+
+
+_FIELDS = {f.name: f for f in fields(Config)}
+
+
+def _coerce(key: str, value: Any) -> Any:
+    f = _FIELDS[key]
+    typ = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    try:
+        if key in ("host_pool_bytes", "max_message_bytes"):
+            return parse_size(value)
+        if key == "socket_mode":
+            if isinstance(value, str):
+                return int(value, 8)
+            return int(value)
+        if typ == "bool":
+            if isinstance(value, bool):
+                return value
+            s = str(value).strip().lower()
+            if s in ("1", "true", "yes", "on"):
+                return True
+            if s in ("0", "false", "no", "off", ""):
+                return False
+            raise ValueError(value)
+        if typ == "int":
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return int(value)
+        if typ == "float":
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return float(value)
+        if typ.startswith("tuple"):
+            if isinstance(value, str):
+                return tuple(v.strip() for v in value.split(",") if v.strip())
+            if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+                return tuple(value)
+            raise ValueError(value)
+        if not isinstance(value, str):
+            raise ValueError(value)
+        return value
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{key}: invalid value {value!r} (expected {typ})") from exc
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Builds and validates the config from file, environment and overrides."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    path = path or env.get("KVXFERD_CONFIG") or None
+    if path:
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError as exc:
+            raise ConfigError(f"config file not found: {path}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path}: {exc}") from exc
+        for key, value in data.items():
+            if key not in _FIELDS:
+                raise ConfigError(f"config file {path}: unknown key {key!r}")
+            values[key] = _coerce(key, value)
+    for name, value in env.items():
+        if not name.startswith("KVXFERD_") or name == "KVXFERD_CONFIG":
+            continue
+        key = name[len("KVXFERD_"):].lower()
+        if key not in _FIELDS:
+            raise ConfigError(f"environment variable {name}: unknown setting {key!r}")
+        values[key] = _coerce(key, value)
+    for key, value in (overrides or {}).items():
+        if value is None:
+            continue
+        if key not in _FIELDS:
+            raise ConfigError(f"unknown setting {key!r}")
+        values[key] = _coerce(key, value)
+    return Config(**values).validate()

@@ -1,0 +1,129 @@
+"""protobuf <-> domain conversions shared by the engine and peer servicers."""
+
+from __future__ import annotations
+
+from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2, peer_pb2
+
+from kvxferd.domain import (
+    ChunkSpec,
+    CudaRingSpec,
+    DaemonRef,
+    EngineSpec,
+    LandedChunk,
+    Parallelism,
+    Role,
+    RoomEvent,
+    RoomKey,
+    RoomView,
+    SlotRef,
+)
+from kvxferd.errors import InvalidArgument
+from kvxferd.layout import KVLayout
+from kvxferd.memory import Watermark
+
+_U64 = (1 << 64) - 1
+
+
+def room_key(pb: common_pb2.RoomKey) -> RoomKey:
+    return RoomKey(pb.id, pb.generation)
+
+
+def room_key_pb(key: RoomKey) -> common_pb2.RoomKey:
+    return common_pb2.RoomKey(id=key.id, generation=key.generation)
+
+
+def layout(pb: common_pb2.KVLayout) -> KVLayout:
+    try:
+        return KVLayout(
+            num_layers=pb.num_layers, total_kv_heads=pb.total_kv_heads, head_dim=pb.head_dim,
+            dtype_bytes=pb.dtype_bytes, page_size=pb.page_size, mla=pb.mla,
+        )
+    except ValueError as exc:
+        raise InvalidArgument(f"layout: {exc}") from exc
+
+
+def layout_pb(lay: KVLayout) -> common_pb2.KVLayout:
+    return common_pb2.KVLayout(
+        num_layers=lay.num_layers, total_kv_heads=lay.total_kv_heads, head_dim=lay.head_dim,
+        dtype_bytes=lay.dtype_bytes, page_size=lay.page_size, mla=lay.mla,
+    )
+
+
+def engine_spec(req: engine_pb2.RegisterEngineRequest) -> EngineSpec:
+    if req.role not in (engine_pb2.ROLE_PREFILL, engine_pb2.ROLE_DECODE):
+        raise InvalidArgument("role must be ROLE_PREFILL or ROLE_DECODE")
+    if not req.HasField("layout"):
+        raise InvalidArgument("layout is required")
+    lay = layout(req.layout)
+    if lay.dtype_bytes not in (1, 2, 4, 8):
+        raise InvalidArgument(f"dtype_bytes must be 1, 2, 4 or 8, got {lay.dtype_bytes}")
+    if lay.num_layers > 4096 or lay.total_kv_heads > 4096 or lay.head_dim > 65536 or lay.page_size > 65536:
+        raise InvalidArgument("layout dimensions are out of range")
+    par = req.parallel
+    parallel = Parallelism(par.tp_size or 1, par.tp_rank, par.pp_size or 1, par.pp_rank)
+    cuda = None
+    if req.HasField("cuda_ring"):
+        c = req.cuda_ring
+        if len(c.handle) != 64:
+            raise InvalidArgument(f"cuda_ring.handle must be 64 bytes (cudaIpcMemHandle_t), got {len(c.handle)}")
+        if c.size <= 0:
+            raise InvalidArgument("cuda_ring.size must be positive")
+        cuda = CudaRingSpec(bytes(c.handle), c.device_uuid, c.offset, c.size)
+    if len(req.name) > 256:
+        raise InvalidArgument("name is longer than 256 characters")
+    return EngineSpec(
+        role=Role(req.role), group=req.group, layout=lay, parallel=parallel, ring_bytes=req.ring_bytes,
+        cuda_ring=cuda, lease_ms=req.lease_ms, name=req.name,
+    )
+
+
+def chunk_spec(req: engine_pb2.EnqueueChunkRequest) -> ChunkSpec:
+    if not req.HasField("room"):
+        raise InvalidArgument("room is required")
+    if not req.HasField("slot"):
+        raise InvalidArgument("slot is required")
+    return ChunkSpec(
+        room=room_key(req.room), chunk_id=req.chunk_id, token_start=req.token_start, num_tokens=req.num_tokens,
+        slot=SlotRef(req.slot.offset, req.slot.length), last=req.last, aux=bytes(req.aux),
+    )
+
+
+def landed_pb(c: LandedChunk) -> engine_pb2.LandedChunk:
+    return engine_pb2.LandedChunk(
+        chunk_id=c.chunk_id, slot=common_pb2.Slot(offset=c.slot.offset, length=c.slot.length),
+        token_start=c.token_start, num_tokens=c.num_tokens, last=c.last, chunk_bytes=c.chunk_bytes,
+    )
+
+
+def room_status_pb(v: RoomView) -> engine_pb2.RoomStatus:
+    return engine_pb2.RoomStatus(
+        room=room_key_pb(v.room), state=common_pb2.RoomState.ValueType(v.state),
+        failure_code=common_pb2.FailureCode.ValueType(v.failure_code),
+        failure_reason=v.failure_reason, landed=[landed_pb(c) for c in v.landed], aux=v.aux,
+        chunks_done=v.chunks_done,
+    )
+
+
+def room_event_pb(ev: RoomEvent) -> engine_pb2.RoomEvent:
+    out = engine_pb2.RoomEvent(
+        room=room_key_pb(ev.room), state=common_pb2.RoomState.ValueType(ev.state),
+        failure_code=common_pb2.FailureCode.ValueType(ev.failure_code),
+        failure_reason=ev.failure_reason, aux=ev.aux,
+    )
+    if ev.landed is not None:
+        out.landed.CopyFrom(landed_pb(ev.landed))
+    return out
+
+
+def watermark_pb(w: Watermark) -> common_pb2.WatermarkPos:
+    return common_pb2.WatermarkPos(sequence=w.sequence, free_bytes=w.free_bytes, largest_free=w.largest_free)
+
+
+def daemon_ref(pb: peer_pb2.DaemonRef) -> DaemonRef:
+    if not pb.daemon_id or not pb.instance_id:
+        raise InvalidArgument("sender.daemon_id and sender.instance_id are required")
+    return DaemonRef(pb.daemon_id, pb.instance_id, pb.address)
+
+
+def daemon_ref_pb(ref: DaemonRef) -> peer_pb2.DaemonRef:
+    return peer_pb2.DaemonRef(daemon_id=ref.daemon_id, instance_id=ref.instance_id, address=ref.address)

@@ -1,0 +1,131 @@
+"""Domain types shared by the daemon's modules (frozen dataclasses, no protobuf)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from kvxferd.layout import KVLayout
+
+
+class Role(enum.Enum):
+    PREFILL = 1
+    DECODE = 2
+
+
+class RoomState(enum.IntEnum):
+    """Forward-only: a room only moves to a higher value, FAILED is terminal."""
+
+    BOOTSTRAPPING = 1
+    WAITING_FOR_INPUT = 2
+    TRANSFERRING = 3
+    SUCCESS = 4
+    FAILED = 5
+
+
+class FailureCode(enum.IntEnum):
+    UNSPECIFIED = 0
+    ABORTED = 1
+    DEADLINE = 2
+    TRANSFER_ERROR = 3
+    PEER_LOST = 4
+    ENGINE_LOST = 5
+    MISMATCH = 6
+    SHUTDOWN = 7
+    SUPERSEDED = 8
+
+
+@dataclass(frozen=True, order=True)
+class RoomKey:
+    id: int
+    generation: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.id}.{self.generation}"
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    tp_size: int = 1
+    tp_rank: int = 0
+    pp_size: int = 1
+    pp_rank: int = 0
+
+
+@dataclass(frozen=True)
+class CudaRingSpec:
+    handle: bytes
+    device_uuid: str
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    role: Role
+    group: str
+    layout: KVLayout
+    parallel: Parallelism
+    ring_bytes: int
+    cuda_ring: CudaRingSpec | None
+    lease_ms: int
+    name: str
+
+
+@dataclass(frozen=True)
+class SlotRef:
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """One prefill chunk as the engine enqueued it."""
+
+    room: RoomKey
+    chunk_id: int
+    token_start: int
+    num_tokens: int
+    slot: SlotRef
+    last: bool
+    aux: bytes
+
+
+@dataclass(frozen=True)
+class LandedChunk:
+    chunk_id: int
+    slot: SlotRef
+    token_start: int
+    num_tokens: int
+    last: bool
+    chunk_bytes: int
+
+
+@dataclass(frozen=True)
+class RoomView:
+    """What PollRoom returns."""
+
+    room: RoomKey
+    state: RoomState
+    failure_code: FailureCode
+    failure_reason: str
+    landed: tuple[LandedChunk, ...] = ()
+    aux: bytes = b""
+    chunks_done: int = 0
+
+
+@dataclass(frozen=True)
+class RoomEvent:
+    room: RoomKey
+    state: RoomState
+    failure_code: FailureCode = FailureCode.UNSPECIFIED
+    failure_reason: str = ""
+    landed: LandedChunk | None = None
+    aux: bytes = b""
+
+
+@dataclass(frozen=True)
+class DaemonRef:
+    daemon_id: str
+    instance_id: str
+    address: str

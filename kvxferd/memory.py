@@ -1,0 +1,198 @@
+"""Host pool (shared memory mapped by the daemon and its local engines) and ring allocators.
+
+A ring is a registered byte range (a slice of the host pool or an engine's GPU
+staging ring) from which chunk slots are carved. Slots are released out of order:
+a stalled room holds its slots without blocking the rooms allocated after it,
+which a strict (round, tail) FIFO ring would do.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import logging
+import mmap
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvxferd.errors import InvalidArgument, ResourceExhausted
+
+logger = logging.getLogger(__name__)
+
+SLOT_ALIGN = 256
+REGION_ALIGN = 1 << 12
+
+
+def align_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class Watermark:
+    sequence: int
+    free_bytes: int
+    largest_free: int
+
+
+class RingAllocator:
+    """First-fit allocator over [0, size) with coalescing of freed ranges."""
+
+    def __init__(self, size: int, align: int = SLOT_ALIGN) -> None:
+        if size <= 0:
+            raise ValueError("ring size must be positive")
+        self.size = size
+        self.align = align
+        self._free_starts: list[int] = [0]
+        self._free_lens: list[int] = [size]
+        self._held: dict[int, int] = {}
+        self._used = 0
+        self._sequence = 0
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def slots_held(self) -> int:
+        return len(self._held)
+
+    def watermark(self) -> Watermark:
+        return Watermark(self._sequence, self.size - self.used_bytes, max(self._free_lens, default=0))
+
+    def fits_ever(self, length: int) -> bool:
+        return 0 < align_up(length, self.align) <= self.size
+
+    def alloc(self, length: int) -> int | None:
+        """Offset of a new slot of at least `length` bytes, or None while full."""
+        if length <= 0:
+            raise InvalidArgument(f"slot length must be positive, got {length}")
+        need = align_up(length, self.align)
+        for i, flen in enumerate(self._free_lens):
+            if flen >= need:
+                start = self._free_starts[i]
+                if flen == need:
+                    del self._free_starts[i]
+                    del self._free_lens[i]
+                else:
+                    self._free_starts[i] = start + need
+                    self._free_lens[i] = flen - need
+                self._held[start] = need
+                self._used += need
+                return start
+        return None
+
+    def holds(self, offset: int, length: int) -> bool:
+        """True if [offset, offset+length) lies inside one held slot starting at offset."""
+        held = self._held.get(offset)
+        return held is not None and 0 < length <= held
+
+    def slot_length(self, offset: int) -> int | None:
+        return self._held.get(offset)
+
+    def free(self, offset: int) -> None:
+        length = self._held.pop(offset, None)
+        if length is None:
+            raise InvalidArgument(f"no slot held at offset {offset}")
+        self._used -= length
+        self._sequence += 1
+        i = bisect.bisect_left(self._free_starts, offset)
+        # Merge with the next free range, then with the previous one.
+        if i < len(self._free_starts) and offset + length == self._free_starts[i]:
+            length += self._free_lens[i]
+            del self._free_starts[i]
+            del self._free_lens[i]
+        if i > 0 and self._free_starts[i - 1] + self._free_lens[i - 1] == offset:
+            self._free_lens[i - 1] += length
+        else:
+            self._free_starts.insert(i, offset)
+            self._free_lens.insert(i, length)
+
+    def held_offsets(self) -> list[int]:
+        return list(self._held)
+
+
+_POOL_RE = re.compile(r"^kvxferd-(\d+)-[0-9a-f]+\.pool$")
+
+
+class HostPool:
+    """One shared-memory file per daemon, mapped here and by local engines."""
+
+    def __init__(self, shm_dir: str, size: int, tag: str, mode: int = 0o600) -> None:
+        self.size = align_up(size, REGION_ALIGN)
+        _remove_stale_pools(shm_dir)
+        self.path = str(Path(shm_dir) / f"kvxferd-{os.getpid()}-{tag}.pool")
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
+        try:
+            os.fchmod(fd, mode)
+            os.ftruncate(fd, self.size)
+            self._mm = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._anchor = ctypes.c_char.from_buffer(self._mm)
+        self.base_addr = ctypes.addressof(self._anchor)
+        self.regions = RingAllocator(self.size, REGION_ALIGN)
+        self._closed = False
+
+    def allocate_region(self, length: int) -> int:
+        offset = self.regions.alloc(length)
+        if offset is None:
+            wm = self.regions.watermark()
+            raise ResourceExhausted(
+                f"host pool has no {length} contiguous bytes free (largest free {wm.largest_free}, "
+                f"pool {self.size}); raise host_pool_bytes or ask for a smaller ring"
+            )
+        return offset
+
+    def free_region(self, offset: int) -> None:
+        self.regions.free(offset)
+
+    def view(self, offset: int, length: int) -> memoryview:
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise InvalidArgument(f"range [{offset}, {offset + length}) is outside the pool")
+        return memoryview(self._mm)[offset : offset + length]
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        del self._anchor
+        try:
+            self._mm.close()
+        except BufferError:
+            logger.warning("host pool still has live views at close; leaving the mapping to the OS")
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def _remove_stale_pools(shm_dir: str) -> None:
+    """Pools of daemons that died with kill -9 would otherwise pin RAM forever."""
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return
+    for name in names:
+        m = _POOL_RE.match(name)
+        if not m:
+            continue
+        pid = int(m.group(1))
+        if pid == os.getpid() or _pid_alive(pid):
+            continue
+        try:
+            os.unlink(os.path.join(shm_dir, name))
+            logger.info("removed stale host pool %s of dead pid %d", name, pid)
+        except OSError:
+            pass
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,104 @@
+"""Prometheus metrics. Each daemon owns a fresh registry so tests stay independent."""
+
+from __future__ import annotations
+
+import asyncio
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    generate_latest,
+)
+
+from kvxferd import __version__
+
+_LATENCY_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)
+_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.build_info = Info("kvxferd_build", "kvxferd build information", registry=r)
+        self.build_info.info({"version": __version__})
+        self.rpc_duration = Histogram(
+            "kvxferd_rpc_duration_seconds", "gRPC handler latency", ["service", "method", "code"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.rooms = Gauge("kvxferd_rooms", "Rooms by role and state", ["role", "state"], registry=r)
+        self.rooms_finished = Counter(
+            "kvxferd_rooms_finished", "Rooms that reached SUCCESS or FAILED", ["role", "state"], registry=r
+        )
+        self.room_duration = Histogram(
+            "kvxferd_room_duration_seconds", "Room start to SUCCESS", ["role"], buckets=_TRANSFER_BUCKETS,
+            registry=r,
+        )
+        self.chunk_transfer = Histogram(
+            "kvxferd_chunk_transfer_seconds", "One chunk part from post to DONE", ["path"],
+            buckets=_TRANSFER_BUCKETS, registry=r,
+        )
+        self.queue_depth = Gauge("kvxferd_queue_depth", "Work waiting per queue", ["queue"], registry=r)
+        self.ring_capacity = Gauge("kvxferd_ring_capacity_bytes", "Ring size", ["ring"], registry=r)
+        self.ring_used = Gauge("kvxferd_ring_used_bytes", "Ring bytes held by slots", ["ring"], registry=r)
+        self.slots_held = Gauge("kvxferd_slots_held", "Slots reserved in all rings", registry=r)
+        self.transfer_bytes = Counter(
+            "kvxferd_transfer_bytes", "Bytes written to peers", ["peer", "path"], registry=r
+        )
+        self.nixl_errors = Counter("kvxferd_nixl_errors", "NIXL transfer errors", ["peer"], registry=r)
+        self.peers = Gauge("kvxferd_peers", "Known peer daemons by state", ["state"], registry=r)
+        self.engines = Gauge("kvxferd_engines", "Registered engine ranks", ["role"], registry=r)
+        self.room_failures = Counter(
+            "kvxferd_room_failures", "Rooms failed, by reason code", ["reason"], registry=r
+        )
+        self.heartbeat_misses = Counter(
+            "kvxferd_heartbeat_misses", "Heartbeats to a peer that got no answer", ["peer"], registry=r
+        )
+        for role in ("prefill", "decode"):
+            self.engines.labels(role=role).set(0)
+            for state in ("BOOTSTRAPPING", "WAITING_FOR_INPUT", "TRANSFERRING", "SUCCESS", "FAILED"):
+                self.rooms.labels(role=role, state=state).set(0)
+        for state in ("up", "down"):
+            self.peers.labels(state=state).set(0)
+        for queue in ("admit", "waiting_slot", "workers"):
+            self.queue_depth.labels(queue=queue).set(0)
+
+
+async def start_metrics_server(
+    host: str, port: int, registry: CollectorRegistry
+) -> tuple[asyncio.AbstractServer, int]:
+    """A minimal asyncio HTTP endpoint for /metrics (no extra thread, no extra dependency)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
+            parts = head.split(b"\r\n", 1)[0].split()
+            path = parts[1].split(b"?")[0] if len(parts) >= 2 else b""
+            if len(parts) < 2 or parts[0] not in (b"GET", b"HEAD"):
+                status, ctype, body = b"405 Method Not Allowed", b"text/plain", b"method not allowed\n"
+            elif path in (b"/metrics", b"/"):
+                status, ctype, body = b"200 OK", CONTENT_TYPE_LATEST.encode(), generate_latest(registry)
+            elif path == b"/healthz":
+                status, ctype, body = b"200 OK", b"text/plain", b"ok\n"
+            else:
+                status, ctype, body = b"404 Not Found", b"text/plain", b"not found\n"
+            writer.write(
+                b"HTTP/1.1 " + status + b"\r\nContent-Type: " + ctype + b"\r\nContent-Length: "
+                + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n"
+                + (body if parts and parts[0] != b"HEAD" else b"")
+            )
+            await writer.drain()
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, host, port)
+    bound = server.sockets[0].getsockname()[1]
+    return server, bound

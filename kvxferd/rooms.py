@@ -1,0 +1,183 @@
+"""Room tables and the room state machine (both roles).
+
+States only move forward; FAILED is terminal and keeps its code and reason until
+the room is released. Rooms are keyed by id; a message whose generation is not
+the room's current generation belongs to an older use of the id and is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvxferd.domain import ChunkSpec, FailureCode, RoomKey, RoomState
+from kvxferd.layout import HeadSlice, KVLayout
+
+if TYPE_CHECKING:
+    from kvxferd.node import Engine
+    from kvxferd.peer import PeerHandle
+
+logger = logging.getLogger(__name__)
+
+
+class RoomBase:
+    role = ""
+
+    def __init__(self, key: RoomKey, deadline_s: float) -> None:
+        self.key = key
+        self.state = RoomState.BOOTSTRAPPING
+        self.failure_code = FailureCode.UNSPECIFIED
+        self.failure_reason = ""
+        self.created = time.monotonic()
+        self.finished_at: float | None = None
+        self.deadline_s = deadline_s
+        self.deadline_handle: asyncio.TimerHandle | None = None
+        self.gc_handle: asyncio.TimerHandle | None = None
+        self.peer: PeerHandle | None = None
+        self.layout: KVLayout | None = None
+        self.plan: tuple[HeadSlice, ...] | None = None
+        self.num_tokens: int | None = None
+        self.aux = b""
+
+    @property
+    def finished(self) -> bool:
+        return self.state in (RoomState.SUCCESS, RoomState.FAILED)
+
+    def advance(self, state: RoomState) -> bool:
+        """Moves forward only; returns True if the state changed."""
+        if self.finished or state <= self.state:
+            return False
+        self.state = state
+        if self.finished:
+            self.finished_at = time.monotonic()
+        return True
+
+    def fail(self, code: FailureCode, reason: str) -> bool:
+        if self.finished:
+            return False
+        self.state = RoomState.FAILED
+        self.failure_code = code
+        self.failure_reason = reason
+        self.finished_at = time.monotonic()
+        return True
+
+
+@dataclass(eq=False)
+class OutChunk:
+    """A prefill chunk handed over by one writer; owns its source slot until done."""
+
+    writer: int
+    engine: Engine
+    spec: ChunkSpec
+    parts_pending: int = 0
+    in_flight: int = 0
+    done: bool = False
+    slot_freed: bool = False
+
+
+@dataclass(eq=False)
+class WriterState:
+    engine: Engine
+    chunks: dict[int, OutChunk] = field(default_factory=dict)
+    last_id: int | None = None
+    done: set[int] = field(default_factory=set)
+    aux: bytes = b""
+
+    @property
+    def finished(self) -> bool:
+        return self.last_id is not None and len(self.done) == self.last_id + 1
+
+
+@dataclass(eq=False)
+class DestSlot:
+    address: int
+    length: int
+    mem: str
+    device: int
+    token_start: int
+    num_tokens: int
+
+
+class SendRoom(RoomBase):
+    """Prefill side of a room."""
+
+    role = "prefill"
+
+    def __init__(self, key: RoomKey, deadline_s: float, group: str, prefill_tp: int, layout: KVLayout) -> None:
+        super().__init__(key, deadline_s)
+        self.group = group
+        self.prefill_tp = prefill_tp
+        self.layout = layout
+        self.decode_tp: int | None = None
+        self.readers: set[int] = set()
+        self.writers: dict[int, WriterState] = {}
+        self.dest: dict[tuple[int, int], asyncio.Future[DestSlot]] = {}
+        self.bootstrapped = asyncio.Event()
+        self.in_flight = 0
+        self.complete_sent = False
+        self.quiesce_sent = False
+        self.first_chunk_at: float | None = None
+
+    def all_writers_finished(self) -> bool:
+        return len(self.writers) == self.prefill_tp and all(w.finished for w in self.writers.values())
+
+    def held_source_slots(self) -> int:
+        return sum(1 for w in self.writers.values() for c in w.chunks.values() if not c.slot_freed)
+
+
+@dataclass(eq=False)
+class InSlot:
+    """A destination slot of one (chunk, reader) on the decode side."""
+
+    offset: int
+    length: int
+    token_start: int
+    num_tokens: int
+    last: bool
+    chunk_bytes: int
+    expected_writers: frozenset[int]
+    landed_writers: set[int] = field(default_factory=set)
+    landed: bool = False
+    consumed: bool = False
+    freed: bool = False
+
+
+@dataclass(eq=False)
+class ReaderState:
+    engine: Engine
+    bootstrapped: bool = False
+    slots: dict[int, InSlot] = field(default_factory=dict)
+    num_chunks: int | None = None
+    released: bool = False
+
+    def landed_count(self) -> int:
+        return sum(1 for s in self.slots.values() if s.landed)
+
+    @property
+    def complete(self) -> bool:
+        return self.num_chunks is not None and self.landed_count() >= self.num_chunks
+
+
+class RecvRoom(RoomBase):
+    """Decode side of a room."""
+
+    role = "decode"
+
+    def __init__(
+        self, key: RoomKey, deadline_s: float, prefill_address: str, prefill_group: str, num_tokens: int,
+        decode_tp: int, layout: KVLayout,
+    ) -> None:
+        super().__init__(key, deadline_s)
+        self.prefill_address = prefill_address
+        self.prefill_group = prefill_group
+        self.num_tokens = num_tokens
+        self.decode_tp = decode_tp
+        self.layout = layout
+        self.prefill_tp: int | None = None
+        self.readers: dict[int, ReaderState] = {}
+        # Unlanded slots may still receive a late NIXL write from the prefill
+        # side; they are only reused once the sender says it is quiesced.
+        self.quiesced = False

@@ -1,0 +1,188 @@
+"""Prefill-side scheduler: admits enqueued chunks, gets destination slots, dispatches to workers.
+
+Every chunk waits on its own (bootstrap, destination slot) without blocking any
+other room; a chunk whose destination ring is full is re-tried when the decode
+daemon pushes a watermark. Work is sharded by destination peer over the workers
+so one slow peer only occupies its own worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import zlib
+from typing import TYPE_CHECKING
+
+from kvxferd.domain import FailureCode
+from kvxferd.layout import bytes_per_head
+from kvxferd.metrics import Metrics
+from kvxferd.rooms import DestSlot, OutChunk, SendRoom
+from kvxferd.transport import XferState
+from kvxferd.workers import TransferJob, WorkerPool
+
+if TYPE_CHECKING:
+    from kvxferd.node import Node
+
+logger = logging.getLogger(__name__)
+
+# Fallback re-try for a full destination ring if a watermark push was lost.
+_SLOT_RETRY_S = 0.25
+
+
+class Scheduler:
+    def __init__(self, node: Node, workers: WorkerPool, metrics: Metrics) -> None:
+        self._node = node
+        self._workers = workers
+        self._metrics = metrics
+        self._admitted = 0
+        self._waiting_slot = 0
+
+    def submit(self, room: SendRoom, chunk: OutChunk) -> None:
+        self._admitted += 1
+        self._metrics.queue_depth.labels(queue="admit").set(self._admitted)
+        self._node.spawn(self._run(room, chunk), f"chunk {room.key}/{chunk.spec.chunk_id}")
+
+    def room_failed(self, room: SendRoom) -> None:
+        """Chunks of a failed room wake up from their waits and give back their slots."""
+
+    async def _run(self, room: SendRoom, chunk: OutChunk) -> None:
+        try:
+            await room.bootstrapped.wait()
+            if room.finished or room.plan is None:
+                return
+            slices = [s for s in room.plan if s.writer == chunk.writer]
+            readers = sorted({s.reader for s in slices})
+            dests: dict[int, DestSlot] = {}
+            for reader in readers:
+                dest = await self._dest(room, chunk, reader)
+                if dest is None:
+                    return
+                dests[reader] = dest
+            if room.finished:
+                return
+            self._dispatch(room, chunk, slices, dests)
+        except Exception as exc:
+            logger.exception("room %s: scheduling chunk %d failed", room.key, chunk.spec.chunk_id)
+            self._node.fail_send_room(room, FailureCode.TRANSFER_ERROR, f"internal error scheduling a chunk: {exc!r}")
+        finally:
+            self._admitted -= 1
+            self._metrics.queue_depth.labels(queue="admit").set(self._admitted)
+            if chunk.parts_pending == 0 and chunk.in_flight == 0:
+                self._node.writer_chunk_done(room, chunk)
+
+    async def _dest(self, room: SendRoom, chunk: OutChunk, reader: int) -> DestSlot | None:
+        spec = chunk.spec
+        key = (spec.chunk_id, reader)
+        fut = room.dest.get(key)
+        if fut is None:
+            fut = asyncio.get_running_loop().create_future()
+            room.dest[key] = fut
+            self._node.spawn(self._alloc(room, chunk, reader, fut), f"alloc {room.key}/{spec.chunk_id}/{reader}")
+        try:
+            dest = await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            if room.finished:
+                return None
+            raise
+        if (dest.token_start, dest.num_tokens) != (spec.token_start, spec.num_tokens):
+            self._node.fail_send_room(
+                room, FailureCode.MISMATCH,
+                f"chunk {spec.chunk_id}: writers disagree on its tokens "
+                f"([{dest.token_start}, +{dest.num_tokens}) vs [{spec.token_start}, +{spec.num_tokens}))",
+            )
+            return None
+        return dest
+
+    async def _alloc(self, room: SendRoom, chunk: OutChunk, reader: int, fut: asyncio.Future[DestSlot]) -> None:
+        spec = chunk.spec
+        peer = room.peer
+        assert peer is not None
+        waiting = False
+        try:
+            while not room.finished:
+                space = peer.space_event()
+                try:
+                    got = await peer.alloc_slot(
+                        room.key, spec.chunk_id, reader, spec.token_start, spec.num_tokens, spec.last
+                    )
+                except Exception as exc:
+                    self._node.fail_send_room(
+                        room, FailureCode.PEER_LOST if "UNAVAILABLE" in str(exc) else FailureCode.MISMATCH,
+                        f"destination slot for chunk {spec.chunk_id} reader {reader}: {exc}",
+                    )
+                    return
+                if got is not None:
+                    if not fut.done():
+                        fut.set_result(DestSlot(*got, token_start=spec.token_start, num_tokens=spec.num_tokens))
+                    return
+                if not waiting:
+                    waiting = True
+                    self._waiting_slot += 1
+                    self._metrics.queue_depth.labels(queue="waiting_slot").set(self._waiting_slot)
+                try:
+                    await asyncio.wait_for(space.wait(), _SLOT_RETRY_S)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            if waiting:
+                self._waiting_slot -= 1
+                self._metrics.queue_depth.labels(queue="waiting_slot").set(self._waiting_slot)
+            if not fut.done():
+                fut.cancel()
+
+    def _dispatch(self, room: SendRoom, chunk: OutChunk, slices: list, dests: dict[int, DestSlot]) -> None:
+        assert room.layout is not None and room.peer is not None
+        from kvxferd.node import encode_notif
+
+        spec = chunk.spec
+        bph = bytes_per_head(room.layout, spec.num_tokens)
+        ring = chunk.engine.ring
+        src_base = ring.base_addr + spec.slot.offset
+        peer = room.peer
+        shard = zlib.crc32(peer.daemon_id.encode())
+        jobs = []
+        src_len = ring.alloc.slot_length(spec.slot.offset) or 0
+        for s in slices:
+            dest = dests[s.reader]
+            length = s.num_heads * bph
+            # The decode side sized the slot for exactly these tokens; never write past it.
+            if (s.dst_head * bph + length > dest.length
+                    or s.src_head * bph + length > src_len):
+                self._node.fail_send_room(room, FailureCode.MISMATCH, f"chunk {spec.chunk_id} does not fit its slots")
+                return
+            jobs.append(TransferJob(
+                remote="" if peer.is_self else peer.agent_name,
+                pairs=[(src_base + s.src_head * bph, dest.address + s.dst_head * bph, length)],
+                notif=encode_notif(room.key, spec.chunk_id, s.writer, s.reader),
+                on_done=self._on_done,
+                local_mem=ring.mem, remote_mem=dest.mem,
+                local_device=ring.device, remote_device=dest.device,
+                tag=(room, chunk), nbytes=length,
+            ))
+        chunk.parts_pending = len(jobs)
+        chunk.in_flight = len(jobs)
+        room.in_flight += len(jobs)
+        for job in jobs:
+            self._workers.submit(job, shard)
+        self._metrics.queue_depth.labels(queue="workers").set(self._workers.in_flight)
+
+    def _on_done(self, job: TransferJob, state: XferState, error: str) -> None:
+        room, chunk = job.tag
+        chunk.in_flight -= 1
+        chunk.parts_pending -= 1
+        room.in_flight -= 1
+        peer = room.peer
+        self._metrics.queue_depth.labels(queue="workers").set(self._workers.in_flight)
+        if state is XferState.DONE:
+            path = "local" if peer.is_self else "nixl"
+            self._metrics.transfer_bytes.labels(peer=peer.daemon_id, path=path).inc(job.nbytes)
+            self._metrics.chunk_transfer.labels(path=path).observe(job.finished_at - job.posted_at)
+            if peer.is_self:
+                self._node.on_notifs([("", job.notif)])
+        else:
+            self._metrics.nixl_errors.labels(peer=peer.daemon_id).inc()
+            self._node.fail_send_room(
+                room, FailureCode.TRANSFER_ERROR, f"chunk {chunk.spec.chunk_id}: transfer to {peer.daemon_id}: {error}"
+            )
+        if chunk.in_flight == 0 and (chunk.parts_pending == 0 or room.finished):
+            self._node.writer_chunk_done(room, chunk)

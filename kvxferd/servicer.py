@@ -1,0 +1,230 @@
+"""Engine-facing gRPC servicer: protobuf <-> domain and nothing else.
+
+Domain errors become gRPC status codes in `rpc_errors`; handler latency is
+recorded per method.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+
+from kvxferd import errors
+from kvxferd.convert import chunk_spec, engine_spec, room_event_pb, room_key, room_status_pb, watermark_pb
+from kvxferd.domain import Role, SlotRef
+from kvxferd.metrics import Metrics
+from kvxferd.node import Engine, Node, Ring
+
+logger = logging.getLogger(__name__)
+
+_CODES: dict[type[errors.KvxferError], grpc.StatusCode] = {
+    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+}
+
+
+def status_of(exc: errors.KvxferError) -> grpc.StatusCode:
+    for cls in type(exc).__mro__:
+        if cls in _CODES:
+            return _CODES[cls]
+    return grpc.StatusCode.UNKNOWN
+
+
+def rpc_errors(service: str, metrics: Metrics) -> Callable[[Any], Any]:
+    """Wraps a unary handler: domain errors -> status codes, latency -> histogram."""
+
+    def deco(fn: Any) -> Any:
+        method = fn.__name__
+
+        @functools.wraps(fn)
+        async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+            t0 = time.perf_counter()
+            code = grpc.StatusCode.OK
+            try:
+                return await fn(self, request, context)
+            except errors.KvxferError as exc:
+                code = status_of(exc)
+                await context.abort(code, str(exc))
+            except asyncio.CancelledError:
+                code = grpc.StatusCode.CANCELLED
+                raise
+            except Exception as exc:
+                if isinstance(exc, grpc.aio.AbortError):
+                    raise
+                code = grpc.StatusCode.INTERNAL
+                logger.exception("%s/%s failed", service, method)
+                await context.abort(code, f"internal error: {exc!r}")
+            finally:
+                metrics.rpc_duration.labels(service=service, method=method, code=code.name).observe(
+                    time.perf_counter() - t0
+                )
+
+        return wrapper
+
+    return deco
+
+
+def wrap_servicer(obj: Any, service: str, metrics: Metrics, unary: tuple[str, ...]) -> None:
+    deco = rpc_errors(service, metrics)
+    for name in unary:
+        fn = getattr(type(obj), name)
+        setattr(obj, name, deco(fn).__get__(obj))
+
+
+_EMPTY_REGISTER = engine_pb2.RegisterEngineReply
+_CODE_OK = grpc.StatusCode.OK.value[0]
+
+
+class EngineServicer(engine_pb2_grpc.EngineServicer):
+    UNARY = (
+        "RegisterEngine", "UnregisterEngine", "KeepAlive", "AcquireSlot", "ReleaseSlot", "ExpectRoom",
+        "EnqueueChunk", "EnqueueChunks", "PollRoom", "Watermark", "AbortRoom", "ReleaseRoom", "GetStatus",
+    )
+
+    def __init__(self, node: Node, metrics: Metrics, cuda_importer: Callable[..., Ring] | None) -> None:
+        self._node = node
+        self._metrics = metrics
+        self._cuda_importer = cuda_importer
+        wrap_servicer(self, "Engine", metrics, self.UNARY)
+
+    async def RegisterEngine(self, request: engine_pb2.RegisterEngineRequest, context: Any) -> engine_pb2.RegisterEngineReply:
+        eng = self._node.register_engine(engine_spec(request), self._cuda_importer)
+        node = self._node
+        return engine_pb2.RegisterEngineReply(
+            engine_id=eng.id, pool_path=node.pool.path, pool_bytes=node.pool.size,
+            ring_offset=eng.ring.pool_offset if eng.ring.kind == "host" else 0, ring_bytes=eng.ring.size,
+            lease_ms=int(node.lease_s(eng) * 1000), daemon_id=node.daemon_id, peer_address=node.address,
+        )
+
+    async def UnregisterEngine(self, request: engine_pb2.UnregisterEngineRequest, context: Any) -> engine_pb2.UnregisterEngineReply:
+        self._node.unregister_engine(request.engine_id)
+        return engine_pb2.UnregisterEngineReply()
+
+    async def KeepAlive(self, request: engine_pb2.KeepAliveRequest, context: Any) -> engine_pb2.KeepAliveReply:
+        return engine_pb2.KeepAliveReply(lease_ms=int(self._node.keep_alive(request.engine_id) * 1000))
+
+    async def AcquireSlot(self, request: engine_pb2.AcquireSlotRequest, context: Any) -> engine_pb2.AcquireSlotReply:
+        slot, nbytes = self._node.acquire_slot(request.engine_id, request.num_tokens)
+        return engine_pb2.AcquireSlotReply(
+            slot=common_pb2.Slot(offset=slot.offset, length=slot.length), chunk_bytes=nbytes
+        )
+
+    async def ReleaseSlot(self, request: engine_pb2.ReleaseSlotRequest, context: Any) -> engine_pb2.ReleaseSlotReply:
+        self._node.release_slot(request.engine_id, SlotRef(request.slot.offset, request.slot.length))
+        return engine_pb2.ReleaseSlotReply()
+
+    async def ExpectRoom(self, request: engine_pb2.ExpectRoomRequest, context: Any) -> engine_pb2.ExpectRoomReply:
+        if not request.HasField("room"):
+            raise errors.InvalidArgument("room is required")
+        room = self._node.expect_room(
+            request.engine_id, room_key(request.room), request.prefill_address, request.prefill_group,
+            request.num_tokens, request.deadline_ms,
+        )
+        return engine_pb2.ExpectRoomReply(state=common_pb2.RoomState.ValueType(room.state))
+
+    async def EnqueueChunk(self, request: engine_pb2.EnqueueChunkRequest, context: Any) -> engine_pb2.EnqueueChunkReply:
+        self._node.enqueue_chunk(request.engine_id, chunk_spec(request))
+        return engine_pb2.EnqueueChunkReply(code=_CODE_OK)
+
+    def _enqueue_one(self, req: engine_pb2.EnqueueChunkRequest) -> engine_pb2.EnqueueChunkReply:
+        try:
+            self._node.enqueue_chunk(req.engine_id, chunk_spec(req))
+        except errors.KvxferError as exc:
+            return engine_pb2.EnqueueChunkReply(code=status_of(exc).value[0], message=str(exc))
+        return engine_pb2.EnqueueChunkReply(code=_CODE_OK)
+
+    async def EnqueueChunks(self, request: engine_pb2.EnqueueChunksRequest, context: Any) -> engine_pb2.EnqueueChunksReply:
+        if len(request.chunks) > 4096:
+            raise errors.InvalidArgument(f"at most 4096 chunks per call, got {len(request.chunks)}")
+        return engine_pb2.EnqueueChunksReply(results=[self._enqueue_one(c) for c in request.chunks])
+
+    async def EnqueueStream(
+        self, request_iterator: AsyncIterator[engine_pb2.EnqueueChunkRequest], context: Any
+    ) -> AsyncIterator[engine_pb2.EnqueueChunkReply]:
+        async for req in request_iterator:
+            yield self._enqueue_one(req)
+
+    async def PollRoom(self, request: engine_pb2.PollRoomRequest, context: Any) -> engine_pb2.RoomStatus:
+        if not request.HasField("room"):
+            raise errors.InvalidArgument("room is required")
+        return room_status_pb(self._node.poll_room(request.engine_id, room_key(request.room)))
+
+    async def WatchRooms(self, request: engine_pb2.WatchRoomsRequest, context: Any) -> AsyncIterator[engine_pb2.RoomEvent]:
+        try:
+            q = self._node.watch(request.engine_id)
+        except errors.KvxferError as exc:
+            await context.abort(status_of(exc), str(exc))
+            return
+        try:
+            while True:
+                ev = await q.get()
+                if ev is None:
+                    return
+                yield room_event_pb(ev)
+        finally:
+            self._node.unwatch(request.engine_id, q)
+
+    async def Watermark(self, request: engine_pb2.WatermarkRequest, context: Any) -> engine_pb2.WatermarkReply:
+        if not request.HasField("room"):
+            raise errors.InvalidArgument("room is required")
+        wm = self._node.watermark(request.engine_id, room_key(request.room), request.chunk_ids)
+        return engine_pb2.WatermarkReply(watermark=watermark_pb(wm))
+
+    async def AbortRoom(self, request: engine_pb2.AbortRoomRequest, context: Any) -> engine_pb2.AbortRoomReply:
+        if not request.HasField("room"):
+            raise errors.InvalidArgument("room is required")
+        self._node.abort_room(request.engine_id, room_key(request.room), request.reason)
+        return engine_pb2.AbortRoomReply()
+
+    async def ReleaseRoom(self, request: engine_pb2.ReleaseRoomRequest, context: Any) -> engine_pb2.ReleaseRoomReply:
+        if not request.HasField("room"):
+            raise errors.InvalidArgument("room is required")
+        self._node.release_room(request.engine_id, room_key(request.room))
+        return engine_pb2.ReleaseRoomReply()
+
+    async def GetStatus(self, request: engine_pb2.GetStatusRequest, context: Any) -> engine_pb2.DaemonStatus:
+        st = self._node.status()
+        engines: list[Engine] = st["engines"]  # type: ignore[assignment]
+        return engine_pb2.DaemonStatus(
+            daemon_id=str(st["daemon_id"]), version=str(st["version"]), serving=bool(st["serving"]),
+            engines=[
+                engine_pb2.EngineInfo(
+                    engine_id=e.id, name=e.spec.name, role=engine_pb2.Role.ValueType(e.role.value), group=e.spec.group,
+                    parallel=common_pb2.Parallelism(
+                        tp_size=e.spec.parallel.tp_size, tp_rank=e.spec.parallel.tp_rank,
+                        pp_size=e.spec.parallel.pp_size, pp_rank=e.spec.parallel.pp_rank,
+                    ),
+                    ring_kind=e.ring.kind, ring_bytes=e.ring.size, ring_used_bytes=e.ring.alloc.used_bytes,
+                    slots_held=e.ring.alloc.slots_held,
+                )
+                for e in engines
+            ],
+            peers=[
+                engine_pb2.PeerInfo(
+                    daemon_id=p.daemon_id, address=p.address, state="up" if p.up else "down",
+                    rooms=sum(1 for r in [*self._node.send_rooms.values(), *self._node.recv_rooms.values()]
+                              if r.peer is p and not r.finished),
+                )
+                for p in st["peers"]  # type: ignore[attr-defined]
+            ],
+            rooms_by_state=st["rooms_by_state"],  # type: ignore[arg-type]
+            slots_held=int(st["slots_held"]),  # type: ignore[call-overload]
+            pool_bytes=int(st["pool_bytes"]),  # type: ignore[call-overload]
+            uptime_s=float(st["uptime_s"]),  # type: ignore[arg-type]
+            peer_address=str(st["peer_address"]),
+        )
+
+
+__all__ = ["EngineServicer", "Role", "rpc_errors", "status_of", "wrap_servicer"]

@@ -1,0 +1,216 @@
+"""Transfer workers: the only module that starts threads.
+
+Each worker thread owns a queue and posts NIXL WRITEs, then polls every handle it
+has in flight (never waiting on one while others could progress) and reports
+each result back to the event loop with call_soon_threadsafe. Jobs are sharded by
+destination peer so one slow peer only occupies its own worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import ctypes
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from kvxferd.transport import Transport, XferState
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Poll back-off while transfers are in flight: short enough to keep chunk
+# latency low, long enough not to starve the event loop on 2 cores.
+_POLL_MIN_S = 0.00002
+_POLL_MAX_S = 0.0005
+_NOTIF_IDLE_S = 0.001
+
+
+@dataclass(eq=False)
+class TransferJob:
+    """One NIXL WRITE: one (writer, reader, chunk) part, already resolved to addresses."""
+
+    remote: str
+    pairs: Sequence[tuple[int, int, int]]
+    notif: bytes
+    on_done: Callable[[TransferJob, XferState, str], None]
+    local_mem: str = "DRAM"
+    remote_mem: str = "DRAM"
+    local_device: int = 0
+    remote_device: int = 0
+    tag: Any = None
+    nbytes: int = 0
+    posted_at: float = 0.0
+    finished_at: float = 0.0
+    _handle: Any = field(default=None, repr=False)
+
+
+class WorkerPool:
+    def __init__(self, transport: Transport, loop: asyncio.AbstractEventLoop, workers: int) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._queues: list[queue.SimpleQueue[TransferJob | None]] = [queue.SimpleQueue() for _ in range(workers)]
+        self._threads = [
+            threading.Thread(target=self._run, args=(i,), name=f"kvxferd-worker-{i}", daemon=True)
+            for i in range(workers)
+        ]
+        self._in_flight = 0
+        self._lock = threading.Lock()
+        self._blocking = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvxferd-blocking")
+        self._notif_thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def start_notif_poller(self, handler: Callable[[list[tuple[str, bytes]]], None]) -> None:
+        self._notif_thread = threading.Thread(
+            target=self._poll_notifs, args=(handler,), name="kvxferd-notif", daemon=True
+        )
+        self._notif_thread.start()
+
+    def submit(self, job: TransferJob, shard: int) -> None:
+        with self._lock:
+            self._in_flight += 1
+        self._queues[shard % len(self._queues)].put(job)
+
+    async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """Runs a slow call (NIXL metadata load, registration) off the event loop."""
+        return await self._loop.run_in_executor(self._blocking, fn, *args)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        for q in self._queues:
+            q.put(None)
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            if t.ident is not None:
+                t.join(max(0.0, deadline - time.monotonic()))
+        if self._notif_thread is not None:
+            self._notif_thread.join(max(0.0, deadline - time.monotonic()))
+        self._blocking.shutdown(wait=False, cancel_futures=True)
+
+    def _report(self, job: TransferJob, state: XferState, error: str) -> None:
+        with self._lock:
+            self._in_flight -= 1
+        job.finished_at = time.monotonic()
+        try:
+            self._loop.call_soon_threadsafe(job.on_done, job, state, error)
+        except RuntimeError:
+            # The loop is closed: the daemon is gone and nobody is waiting.
+            pass
+
+    def _post(self, job: TransferJob) -> bool:
+        job.posted_at = time.monotonic()
+        if not job.remote:
+            # Same-node path: source and destination are both mapped here.
+            try:
+                for src, dst, length in job.pairs:
+                    ctypes.memmove(dst, src, length)
+            except Exception as exc:
+                self._report(job, XferState.ERROR, f"local copy failed: {exc}")
+            else:
+                self._report(job, XferState.DONE, "")
+            return False
+        try:
+            job._handle = self._transport.post_write(
+                job.remote, job.pairs, job.notif,
+                local_mem=job.local_mem, remote_mem=job.remote_mem,
+                local_device=job.local_device, remote_device=job.remote_device,
+            )
+            return True
+        except Exception as exc:
+            logger.warning("posting transfer to %s failed: %s", job.remote, exc)
+            self._report(job, XferState.ERROR, f"post failed: {exc}")
+            return False
+
+    def _run(self, index: int) -> None:
+        q = self._queues[index]
+        active: list[TransferJob] = []
+        backoff = _POLL_MIN_S
+        while True:
+            # Take everything queued; block only when nothing is in flight.
+            try:
+                job = q.get() if not active else q.get_nowait()
+                while True:
+                    if job is None:
+                        self._drain_on_stop(active)
+                        return
+                    if self._post(job):
+                        active.append(job)
+                    job = q.get_nowait()
+            except queue.Empty:
+                pass
+            still: list[TransferJob] = []
+            progressed = False
+            for job in active:
+                try:
+                    state = self._transport.check(job._handle)
+                except Exception as exc:
+                    state = XferState.ERROR
+                    logger.warning("checking transfer to %s failed: %s", job.remote, exc)
+                if state is XferState.PENDING:
+                    still.append(job)
+                    continue
+                progressed = True
+                self._release(job)
+                self._report(job, state, "" if state is XferState.DONE else "NIXL reported ERR")
+            active = still
+            if active:
+                backoff = _POLL_MIN_S if progressed else min(backoff * 2, _POLL_MAX_S)
+                time.sleep(backoff)
+
+    def _release(self, job: TransferJob) -> None:
+        try:
+            self._transport.release(job._handle)
+        except Exception as exc:
+            logger.debug("release of transfer handle failed: %s", exc)
+
+    def _drain_on_stop(self, active: list[TransferJob]) -> None:
+        # Finish what was posted (the bytes are already moving); bounded wait.
+        deadline = time.monotonic() + 5.0
+        while active and time.monotonic() < deadline:
+            still = []
+            for job in active:
+                try:
+                    state = self._transport.check(job._handle)
+                except Exception:
+                    state = XferState.ERROR
+                if state is XferState.PENDING:
+                    still.append(job)
+                else:
+                    self._release(job)
+                    self._report(job, state, "")
+            active[:] = still
+            time.sleep(_POLL_MAX_S)
+        for job in active:
+            self._report(job, XferState.ERROR, "daemon stopped before the transfer finished")
+
+    def _poll_notifs(self, handler: Callable[[list[tuple[str, bytes]]], None]) -> None:
+        idle = _NOTIF_IDLE_S
+        while not self._stop.is_set():
+            try:
+                notifs = self._transport.get_notifs()
+            except Exception as exc:
+                logger.warning("polling NIXL notifications failed: %s", exc)
+                notifs = []
+            if notifs:
+                try:
+                    self._loop.call_soon_threadsafe(handler, notifs)
+                except RuntimeError:
+                    return
+                idle = _POLL_MIN_S
+            else:
+                idle = min(idle * 2, _NOTIF_IDLE_S)
+            time.sleep(idle)

@@ -1,0 +1,104 @@
+"""Two daemons as separate processes (each its own NIXL agent) and engine processes that use
+only kvxfer_client: rooms of random chunking, same and mixed TP, every byte checked."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import random
+from typing import Any
+
+import grpc
+import pytest
+from kvxfer_client import Layout
+from kvxfer_client._pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc
+
+from tests.engine_procs import RoomPlan, decode_main, prefill_main
+
+LAYOUT = Layout(num_layers=2, total_kv_heads=2, head_dim=64, dtype_bytes=2, page_size=16, dtype="bfloat16")
+
+
+def status(socket: str) -> engine_pb2.DaemonStatus:
+    with grpc.insecure_channel(f"unix:{socket}") as ch:
+        return engine_pb2_grpc.EngineStub(ch).GetStatus(engine_pb2.GetStatusRequest(), timeout=5)
+
+
+def make_rooms(rng: random.Random, first: int, n: int) -> list[RoomPlan]:
+    return [
+        RoomPlan(first + i, tuple(rng.randint(1, 96) for _ in range(rng.randint(1, 16)))) for i in range(n)
+    ]
+
+
+def run_groups(
+    prefill_sock: str, decode_sock: str, prefill_addr: str, groups: list[tuple[str, int, int, list[RoomPlan]]],
+    in_flight: int = 8, timeout: float = 150.0,
+) -> dict[tuple[str, str, int], Any]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = []
+    for name, ptp, dtp, rooms in groups:
+        for r in range(dtp):
+            procs.append(ctx.Process(target=decode_main, args=(
+                decode_sock, f"{name}-dec", LAYOUT, dtp, r, 16 << 20, rooms, prefill_addr, f"{name}-pre", q, timeout,
+            )))
+        for r in range(ptp):
+            procs.append(ctx.Process(target=prefill_main, args=(
+                prefill_sock, f"{name}-pre", LAYOUT, ptp, r, 8 << 20, rooms, q, in_flight, timeout,
+            )))
+    for p in procs:
+        p.start()
+    results: dict[tuple[str, str, int], Any] = {}
+    try:
+        for _ in procs:
+            role, group, rank, payload, err = q.get(timeout=timeout + 30)
+            assert err is None, f"{role} {group} rank {rank} failed:\n{err}"
+            results[(role, group, rank)] = payload
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    return results
+
+
+def test_two_hundred_rooms_same_and_mixed_tp(daemons: Any) -> None:
+    pre = daemons("prefill")
+    dec = daemons("decode")
+    rng = random.Random(1234)
+    groups = [
+        ("tp11", 1, 1, make_rooms(rng, 1000, 140)),
+        ("tp21", 2, 1, make_rooms(rng, 2000, 30)),
+        ("tp12", 1, 2, make_rooms(rng, 3000, 30)),
+    ]
+    results = run_groups(pre.socket, dec.socket, pre.peer_address, groups)
+    total_rooms = 0
+    checked = 0
+    for name, ptp, dtp, rooms in groups:
+        ids = {p.room for p in rooms}
+        for r in range(dtp):
+            got = results[("decode", f"{name}-dec", r)]
+            assert set(got["states"]) == ids
+            assert all(s == "SUCCESS" for s in got["states"].values()), got["states"]
+            checked += got["checked_bytes"]
+        for r in range(ptp):
+            states = results[("prefill", f"{name}-pre", r)]
+            assert set(states) == ids and all(s == "SUCCESS" for s in states.values()), states
+        total_rooms += len(rooms)
+    assert total_rooms >= 200
+    assert checked > 0
+    for d in (pre, dec):
+        st = status(d.socket)
+        assert st.slots_held == 0, f"{d.name} still holds {st.slots_held} slots"
+        assert st.rooms_by_state.get("FAILED", 0) == 0
+
+
+@pytest.mark.parametrize("ptp,dtp", [(4, 2), (2, 4), (1, 4)])
+def test_mixed_tp_pairs(daemons: Any, ptp: int, dtp: int) -> None:
+    pre = daemons("prefill")
+    dec = daemons("decode")
+    rng = random.Random(ptp * 10 + dtp)
+    rooms = make_rooms(rng, 5000, 6)
+    results = run_groups(pre.socket, dec.socket, pre.peer_address, [("mx", ptp, dtp, rooms)])
+    for r in range(dtp):
+        assert all(s == "SUCCESS" for s in results[("decode", "mx-dec", r)]["states"].values())
+    assert status(pre.socket).slots_held == 0
+    assert status(dec.socket).slots_held == 0
