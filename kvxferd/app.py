@@ -139,12 +139,10 @@ def _bind(server: grpc.aio.Server, address: str, creds: grpc.ServerCredentials |
     return port
 
 
-def _cuda_importer() -> Callable[..., Any] | None:
-    try:
-        from kvxferd.gpu import make_cuda_importer
-    except ImportError:
-        return None
-    return make_cuda_importer()
+def _cuda_importer(transport: Transport) -> Callable[..., Any]:
+    from kvxferd.gpu import make_cuda_importer
+
+    return make_cuda_importer(transport)
 
 
 async def serve(
@@ -183,7 +181,7 @@ async def serve(
         engine_server = grpc.aio.server(options=[*opts, ("grpc.so_reuseport", 0)])
         peer_server = grpc.aio.server(options=[*opts, ("grpc.so_reuseport", 0)])
         servers = [engine_server, peer_server]
-        engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(node, metrics, _cuda_importer()), engine_server)
+        engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(node, metrics, _cuda_importer(transport)), engine_server)
         peer_servicer = PeerServicer(node, peers)
         wrap_servicer(peer_servicer, "Peer", metrics, PEER_UNARY)
         peer_pb2_grpc.add_PeerServicer_to_server(peer_servicer, peer_server)

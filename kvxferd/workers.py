@@ -117,7 +117,12 @@ class WorkerPool:
             # Same-node path: source and destination are both mapped here.
             try:
                 for src, dst, length in job.pairs:
-                    ctypes.memmove(dst, src, length)
+                    if job.local_mem == "DRAM" and job.remote_mem == "DRAM":
+                        ctypes.memmove(dst, src, length)
+                    else:
+                        from kvxferd.gpu import device_copy
+
+                        device_copy(dst, src, length)
             except Exception as exc:
                 self._report(job, XferState.ERROR, f"local copy failed: {exc}")
             else:

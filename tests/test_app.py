@@ -152,3 +152,15 @@ def test_sigterm_drains_and_exits_zero(daemons: Any) -> None:
 def test_socket_is_private(daemons: Any) -> None:
     d = daemons("perm")
     assert (Path(d.socket).stat().st_mode & 0o777) == 0o600
+
+
+def test_second_sigint_forces_exit(daemons: Any) -> None:
+    d = daemons("force", "--set", "drain_grace_s=60")
+    with PrefillSender(socket=d.socket, group="g", layout=LAYOUT, ring_bytes=1 << 20) as tx:
+        tx.enqueue(9, 0, 0, 4, tx.acquire(4), last=True)  # never bootstrapped: the drain would wait 60 s
+        d.proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        assert d.proc.poll() is None, "the first SIGINT must drain, not exit"
+        d.proc.send_signal(signal.SIGINT)
+        assert d.proc.wait(10) == 130
+        tx.close(unregister=False)

@@ -22,7 +22,9 @@ from kvxfer_client._common import (
     RoomState,
     RoomStatus,
     Slot,
+    bytes_tensor,
     chunk_request,
+    export_ring,
     register_request,
     registration,
     room_event,
@@ -46,15 +48,19 @@ class _AsyncEngineClient:
         self.reg: Registration | None = None
         self.pool: PoolMapping | None = None
         self._renewer: asyncio.Task[None] | None = None
+        self.ring_tensor: Any = None
 
     @classmethod
     async def create(
         cls, *, group: str, layout: Layout, tp_size: int = 1, tp_rank: int = 0, ring_bytes: int = 64 << 20,
         socket: str | None = None, name: str = "", lease_ms: int = 0, cuda_ring: dict[str, Any] | None = None,
-        map_pool: bool = True, call_timeout: float = 10.0,
+        map_pool: bool = True, call_timeout: float = 10.0, ring_tensor: Any = None,
     ) -> Any:
         self = cls(socket=socket, call_timeout=call_timeout)
         self.layout = layout
+        self.ring_tensor = ring_tensor
+        if ring_tensor is not None and cuda_ring is None:
+            cuda_ring = export_ring(ring_tensor)
         req = register_request(self.role, group, layout, tp_size, tp_rank, ring_bytes, name, lease_ms, cuda_ring)
         self.reg = registration(await self._call(self.stub.RegisterEngine, req))
         if map_pool and cuda_ring is None:
@@ -92,6 +98,10 @@ class _AsyncEngineClient:
         if self.pool is None:
             raise RuntimeError("this engine's ring is not a host ring mapped here")
         return self.pool.view(offset, length)
+
+    def tensor(self, offset: int, length: int) -> Any:
+        """uint8 torch tensor over part of this engine's ring (GPU ring or mapped host ring)."""
+        return bytes_tensor(self.ring_tensor, self.pool, offset, length)
 
     async def poll(self, room: int, generation: int = 0) -> RoomStatus:
         return room_status(await self._call(

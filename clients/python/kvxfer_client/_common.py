@@ -230,6 +230,28 @@ def watermark_request(engine_id: str, room: int, chunk_ids: Iterable[int], gener
     return engine_pb2.WatermarkRequest(engine_id=engine_id, room=room_pb(room, generation), chunk_ids=list(chunk_ids))
 
 
+def export_ring(ring_tensor: Any) -> dict[str, Any]:
+    """CudaIpcRing fields for a contiguous CUDA tensor the engine keeps alive as its staging ring."""
+    from kvxferd.cuda_ipc import export_tensor
+
+    h = export_tensor(ring_tensor)
+    return {"handle": h.handle, "device_uuid": h.device_uuid, "offset": h.offset, "size": h.size}
+
+
+def bytes_tensor(ring_tensor: Any, pool: PoolMapping | None, offset: int, length: int) -> Any:
+    """A uint8 torch tensor over [offset, offset+length) of the ring: GPU ring or mapped host ring."""
+    import torch
+
+    if ring_tensor is not None:
+        flat = ring_tensor.view(torch.uint8).reshape(-1)
+        if offset < 0 or offset + length > flat.numel():
+            raise ValueError(f"[{offset}, {offset + length}) is outside the {flat.numel()} B GPU ring")
+        return flat[offset : offset + length]
+    if pool is None:
+        raise RuntimeError("this engine has no ring mapped here")
+    return torch.frombuffer(pool.view(offset, length), dtype=torch.uint8)
+
+
 class PoolMapping:
     """The daemon's host pool mapped into this process; the engine's ring is a window of it."""
 

@@ -22,7 +22,9 @@ from kvxfer_client._common import (
     RoomState,
     RoomStatus,
     Slot,
+    bytes_tensor,
     chunk_request,
+    export_ring,
     register_request,
     registration,
     room_event,
@@ -43,8 +45,12 @@ class _EngineClient:
     def __init__(
         self, *, group: str, layout: Layout, tp_size: int = 1, tp_rank: int = 0, ring_bytes: int = 64 << 20,
         socket: str | None = None, name: str = "", lease_ms: int = 0, cuda_ring: dict[str, Any] | None = None,
-        map_pool: bool = True, call_timeout: float = 10.0,
+        map_pool: bool = True, call_timeout: float = 10.0, ring_tensor: Any = None,
     ) -> None:
+        # A GPU staging ring: the engine keeps the tensor, the daemon imports it by IPC handle.
+        self.ring_tensor = ring_tensor
+        if ring_tensor is not None and cuda_ring is None:
+            cuda_ring = export_ring(ring_tensor)
         self._channel = grpc.insecure_channel(target(socket), options=CHANNEL_OPTIONS)
         self.stub = engine_pb2_grpc.EngineStub(self._channel)
         self._timeout = call_timeout
@@ -87,6 +93,10 @@ class _EngineClient:
         if self.pool is None:
             raise RuntimeError("this engine's ring is not a host ring mapped here")
         return self.pool.view(offset, length)
+
+    def tensor(self, offset: int, length: int) -> Any:
+        """uint8 torch tensor over part of this engine's ring (GPU ring or mapped host ring)."""
+        return bytes_tensor(self.ring_tensor, self.pool, offset, length)
 
     def poll(self, room: int, generation: int = 0) -> RoomStatus:
         return room_status(self._call(
