@@ -1,0 +1,31 @@
+"""KV copy kernels: paged engine KV <-> contiguous staging slots."""
+
+from kvxferd.kernels.kv_copy import (
+    DEFAULT_STAGING_BYTES,
+    Backend,
+    KVPages,
+    TileConfig,
+    default_tile,
+    gather_kv,
+    gather_mla,
+    scatter_kv,
+    scatter_mla,
+    slot_nbytes,
+    slot_shape,
+    triton_available,
+)
+
+__all__ = [
+    "DEFAULT_STAGING_BYTES",
+    "Backend",
+    "KVPages",
+    "TileConfig",
+    "default_tile",
+    "gather_kv",
+    "gather_mla",
+    "scatter_kv",
+    "scatter_mla",
+    "slot_nbytes",
+    "slot_shape",
+    "triton_available",
+]

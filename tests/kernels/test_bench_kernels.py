@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvxferd.bench import kernels as bench
+from kvxferd.kernels import triton_available
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed")
+
+
+def test_tiny_bench_writes_consistent_json(tmp_path: Path) -> None:
+    out = tmp_path / "k.json"
+    assert bench.main(["--json", str(out), "--tiny", "--repeats", "2", "--inner", "1"]) == 0
+    result = json.loads(out.read_text())
+    shape = bench.SHAPE_TINY
+    n_cases = len(bench.DTYPES) * len(shape.tokens) * len(shape.page_sizes) * 2
+    rows = result["rows"]
+    assert len(rows) == len(bench.OPS) * n_cases
+    assert {r["op"] for r in rows} == set(bench.OPS)
+    for name, op in {**bench.RATIO_OPS, **bench.EXTRA_RATIO_OPS}.items():
+        ratios = result["ratios"] if name in bench.RATIO_OPS else result["extra_ratios"]
+        assert ratios[name] == min(r["ratio"] for r in rows if r["op"] == op)
+    for name in bench.RATIO_OPS:
+        assert result["meets_targets"][name] == (result["ratios"][name] >= bench.TARGETS[name])
+    for r in rows:
+        assert r["ms"] > 0 and r["ratio"] == pytest.approx(r["baseline_ms"] / r["ms"])
+        assert len(r["samples_ms"]) == 2
+    assert set(result["tiles"]) == {"ring_gather", "ring_scatter"}
+    assert len(result["tile_sweep"]) == 2 * len(bench.TILE_CANDIDATES)
+    assert result["device"]
+
+
+def test_bench_refuses_full_run_without_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
+    assert bench.main(["--json", str(tmp_path / "x.json")]) == 2
+    assert not (tmp_path / "x.json").exists()
