@@ -16,12 +16,13 @@ from kvxferd.domain import (
     RoomKey,
     RoomView,
     SlotRef,
+    ZeroCopyTarget,
 )
 from kvxferd.errors import InvalidArgument
 from kvxferd.layout import KVLayout
 from kvxferd.memory import Watermark
 
-_U64 = (1 << 64) - 1
+MAX_PAGES = 1 << 20
 
 
 def room_key(pb: common_pb2.RoomKey) -> RoomKey:
@@ -73,19 +74,32 @@ def engine_spec(req: engine_pb2.RegisterEngineRequest) -> EngineSpec:
         raise InvalidArgument("name is longer than 256 characters")
     return EngineSpec(
         role=Role(req.role), group=req.group, layout=lay, parallel=parallel, ring_bytes=req.ring_bytes,
-        cuda_ring=cuda, lease_ms=req.lease_ms, name=req.name,
+        cuda_ring=cuda, lease_ms=req.lease_ms, name=req.name, zero_copy=req.zero_copy,
     )
 
 
 def chunk_spec(req: engine_pb2.EnqueueChunkRequest) -> ChunkSpec:
     if not req.HasField("room"):
         raise InvalidArgument("room is required")
-    if not req.HasField("slot"):
-        raise InvalidArgument("slot is required")
+    if not req.HasField("slot") and not req.pages:
+        raise InvalidArgument("slot (or pages, for zero-copy engines) is required")
+    if len(req.pages) > MAX_PAGES:
+        raise InvalidArgument(f"at most {MAX_PAGES} pages per chunk")
     return ChunkSpec(
         room=room_key(req.room), chunk_id=req.chunk_id, token_start=req.token_start, num_tokens=req.num_tokens,
-        slot=SlotRef(req.slot.offset, req.slot.length), last=req.last, aux=bytes(req.aux),
+        slot=SlotRef(req.slot.offset, req.slot.length), last=req.last, aux=bytes(req.aux), pages=tuple(req.pages),
     )
+
+
+def zero_copy_target(pb: peer_pb2.ZeroCopyTarget) -> ZeroCopyTarget:
+    if len(pb.pages) > MAX_PAGES:
+        raise InvalidArgument(f"at most {MAX_PAGES} pages per room")
+    return ZeroCopyTarget(pb.address, pb.num_slots, pb.mem or "DRAM", pb.device, tuple(pb.pages))
+
+
+def zero_copy_target_pb(t: ZeroCopyTarget) -> peer_pb2.ZeroCopyTarget:
+    return peer_pb2.ZeroCopyTarget(address=t.address, num_slots=t.num_slots, mem=t.mem, device=t.device,
+                                   pages=list(t.pages))
 
 
 def landed_pb(c: LandedChunk) -> engine_pb2.LandedChunk:

@@ -70,6 +70,7 @@ class EngineSpec:
     cuda_ring: CudaRingSpec | None
     lease_ms: int
     name: str
+    zero_copy: bool = False
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,7 @@ class ChunkSpec:
     slot: SlotRef
     last: bool
     aux: bytes
+    pages: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,17 @@ class RoomEvent:
     failure_reason: str = ""
     landed: LandedChunk | None = None
     aux: bytes = b""
+
+
+@dataclass(frozen=True)
+class ZeroCopyTarget:
+    """A zero-copy reader's KV pool and the pages that receive one room."""
+
+    address: int
+    num_slots: int
+    mem: str
+    device: int
+    pages: tuple[int, ...]
 
 
 @dataclass(frozen=True)

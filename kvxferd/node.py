@@ -28,6 +28,7 @@ from kvxferd.domain import (
     RoomState,
     RoomView,
     SlotRef,
+    ZeroCopyTarget,
 )
 from kvxferd.errors import (
     AlreadyExists,
@@ -84,6 +85,8 @@ class Engine:
     send_rooms: set[int] = field(default_factory=set)
     recv_rooms: set[int] = field(default_factory=set)
     closing: bool = False
+    # Zero-copy engines: token slots per (layer, plane) in the pool held by the ring.
+    pool_slots: int = 0
 
     @property
     def role(self) -> Role:
@@ -94,19 +97,37 @@ class Engine:
         return self.spec.parallel.tp_rank
 
 
-def encode_notif(key: RoomKey, chunk_id: int, writer: int, reader: int) -> bytes:
-    return b"%s %d %d %d %d %d" % (NOTIF_PREFIX, key.id, key.generation, chunk_id, writer, reader)
+def encode_notif(key: RoomKey, spec: ChunkSpec, writer: int, reader: int) -> bytes:
+    return b"%s %d %d %d %d %d %d %d %d" % (
+        NOTIF_PREFIX, key.id, key.generation, spec.chunk_id, writer, reader, spec.token_start, spec.num_tokens,
+        int(spec.last),
+    )
 
 
-def decode_notif(msg: bytes) -> tuple[RoomKey, int, int, int] | None:
+@dataclass(frozen=True)
+class Notif:
+    room: RoomKey
+    chunk_id: int
+    writer: int
+    reader: int
+    token_start: int
+    num_tokens: int
+    last: bool
+
+
+def decode_notif(msg: bytes) -> Notif | None:
     parts = msg.split()
-    if len(parts) != 6 or parts[0] != NOTIF_PREFIX:
+    if len(parts) != 9 or parts[0] != NOTIF_PREFIX:
         return None
     try:
-        rid, gen, chunk, writer, reader = (int(p) for p in parts[1:])
+        rid, gen, chunk, writer, reader, tstart, ntok, last = (int(p) for p in parts[1:])
     except ValueError:
         return None
-    return RoomKey(rid, gen), chunk, writer, reader
+    return Notif(RoomKey(rid, gen), chunk, writer, reader, tstart, ntok, bool(last))
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
 
 
 def layouts_compatible(a: KVLayout, b: KVLayout) -> str:
@@ -238,6 +259,19 @@ class Node:
                 name="", kind="host", base_addr=self.pool.base_addr + offset, size=size, pool_offset=offset,
                 mem="DRAM", device=0, alloc=RingAllocator(size),
             )
+        pool_slots = 0
+        if spec.zero_copy:
+            lay = spec.layout
+            per_slot = lay.num_layers * lay.planes * rank_heads(lay.total_kv_heads, p.tp_size, p.tp_rank, lay.mla).count
+            per_slot *= lay.head_dim * lay.dtype_bytes
+            want = spec.cuda_ring.size if spec.cuda_ring is not None else spec.ring_bytes
+            if want % (per_slot * lay.page_size):
+                self._discard_ring(ring)
+                raise InvalidArgument(
+                    f"zero-copy pool of {want} B is not a whole number of pages of "
+                    f"{per_slot * lay.page_size} B ([layers, K/V, slots, local_heads, head_dim])"
+                )
+            pool_slots = want // per_slot
         # A restarted engine process re-registers the same rank: the old
         # registration is dead (its rooms fail, its mappings go).
         for other in list(self.engines.values()):
@@ -250,7 +284,7 @@ class Node:
         engine_id = uuid.uuid4().hex
         ring.name = engine_id
         lease_s = spec.lease_ms / 1000 if spec.lease_ms else self.config.engine_lease_s
-        eng = Engine(engine_id, spec, ring, time.monotonic() + lease_s)
+        eng = Engine(engine_id, spec, ring, time.monotonic() + lease_s, pool_slots=pool_slots)
         self.engines[engine_id] = eng
         self.metrics.ring_capacity.labels(ring=engine_id).set(ring.size)
         self._ring_metrics(ring)
@@ -260,6 +294,12 @@ class Node:
             spec.group, p.tp_rank, p.tp_size, ring.kind, ring.size,
         )
         return eng
+
+    def _discard_ring(self, ring: Ring) -> None:
+        if ring.kind == "host":
+            self.pool.free_region(ring.pool_offset)
+        if ring.close is not None:
+            ring.close()
 
     def lease_s(self, eng: Engine) -> float:
         return eng.spec.lease_ms / 1000 if eng.spec.lease_ms else self.config.engine_lease_s
@@ -330,6 +370,8 @@ class Node:
     def acquire_slot(self, engine_id: str, num_tokens: int) -> tuple[SlotRef, int]:
         self._require_serving()
         eng = self._engine(engine_id, Role.PREFILL)
+        if eng.spec.zero_copy:
+            raise FailedPrecondition("zero-copy engines address chunks by pages; they have no slots")
         if not 1 <= num_tokens <= MAX_TOKENS:
             raise InvalidArgument(f"num_tokens must be 1..{MAX_TOKENS}, got {num_tokens}")
         p = eng.spec.parallel
@@ -353,6 +395,19 @@ class Node:
         eng.acquired.discard(slot.offset)
         self.free_slot(eng, slot.offset)
         self.refresh_metrics()
+
+    @staticmethod
+    def _check_pages(eng: Engine, pages: tuple[int, ...], num_tokens: int, what: str) -> None:
+        """Page ids must cover exactly the tokens and lie inside the engine's registered pool."""
+        ps = eng.spec.layout.page_size
+        if len(pages) != pages_for(num_tokens, ps):
+            raise InvalidArgument(f"{what}: {num_tokens} tokens need {pages_for(num_tokens, ps)} pages, got {len(pages)}")
+        limit = eng.pool_slots // ps
+        bad = [pg for pg in pages if pg >= limit]
+        if bad:
+            raise InvalidArgument(f"{what}: page {bad[0]} is outside the engine's pool of {limit} pages")
+        if len(set(pages)) != len(pages):
+            raise InvalidArgument(f"{what}: a page appears twice")
 
     def _group_engines(self, group: str, role: Role) -> list[Engine]:
         return [e for e in self.engines.values() if e.spec.group == group and e.role is role and not e.closing]
@@ -396,17 +451,27 @@ class Node:
             raise InvalidArgument(f"aux is {len(chunk.aux)} B; at most {MAX_AUX_BYTES} B")
         if chunk.aux and not chunk.last:
             raise InvalidArgument("aux may only accompany the last chunk")
-        if chunk.slot.offset not in eng.acquired:
-            raise InvalidArgument(
-                f"slot at offset {chunk.slot.offset} is not a slot this engine acquired (or it was already enqueued)"
-            )
-        held = eng.ring.alloc.slot_length(chunk.slot.offset) or 0
-        p = eng.spec.parallel
-        need = part_bytes(eng.spec.layout, p.tp_size, p.tp_rank, chunk.num_tokens)
-        if chunk.slot.length != 0 and chunk.slot.length > held:
-            raise InvalidArgument(f"slot length {chunk.slot.length} exceeds the acquired {held} B")
-        if need > held:
-            raise InvalidArgument(f"{chunk.num_tokens} tokens need {need} B but the slot holds {held} B")
+        if eng.spec.zero_copy:
+            self._check_pages(eng, chunk.pages, chunk.num_tokens, "chunk")
+            if chunk.token_start % eng.spec.layout.page_size:
+                raise InvalidArgument(
+                    f"zero-copy chunks start on a page boundary; token_start {chunk.token_start} is not a multiple "
+                    f"of page_size {eng.spec.layout.page_size}"
+                )
+        else:
+            if chunk.pages:
+                raise InvalidArgument("pages are only for zero-copy engines; this engine sends slots")
+            if chunk.slot.offset not in eng.acquired:
+                raise InvalidArgument(
+                    f"slot at offset {chunk.slot.offset} is not a slot this engine acquired (or it was already enqueued)"
+                )
+            held = eng.ring.alloc.slot_length(chunk.slot.offset) or 0
+            p = eng.spec.parallel
+            need = part_bytes(eng.spec.layout, p.tp_size, p.tp_rank, chunk.num_tokens)
+            if chunk.slot.length != 0 and chunk.slot.length > held:
+                raise InvalidArgument(f"slot length {chunk.slot.length} exceeds the acquired {held} B")
+            if need > held:
+                raise InvalidArgument(f"{chunk.num_tokens} tokens need {need} B but the slot holds {held} B")
         room = self.send_rooms.get(key.id)
         if (room is None or room.key.generation < key.generation) and not self.serving:
             raise Unavailable("daemon is draining and accepts no new rooms")
@@ -437,7 +502,7 @@ class Node:
         room.writers[eng.rank] = w
         eng.send_rooms.add(key.id)
         eng.acquired.discard(chunk.slot.offset)
-        out = OutChunk(eng.rank, eng, chunk)
+        out = OutChunk(eng.rank, eng, chunk, slot_freed=eng.spec.zero_copy)
         w.chunks[chunk.chunk_id] = out
         if chunk.last:
             w.last_id = chunk.chunk_id
@@ -453,7 +518,7 @@ class Node:
 
     def bootstrap(
         self, sender: DaemonRef, key: RoomKey, group: str, reader: int, decode_tp: int, layout: KVLayout,
-        num_tokens: int, deadline_unix_ms: int,
+        num_tokens: int, deadline_unix_ms: int, zero_copy: ZeroCopyTarget | None = None,
     ) -> SendRoom:
         if not 1 <= decode_tp <= 1024 or not 0 <= reader < decode_tp:
             raise InvalidArgument(f"reader rank {reader} must be in [0, decode_tp={decode_tp})")
@@ -475,6 +540,24 @@ class Node:
             rank_heads(layout.total_kv_heads, decode_tp, reader, layout.mla)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from exc
+        group_zc = self._group_engines(group, Role.PREFILL)[0].spec.zero_copy
+        if group_zc != (zero_copy is not None):
+            why = "prefill group is zero-copy but the reader is not" if group_zc else (
+                "reader is zero-copy but the prefill group sends slots")
+            self.fail_send_room(room, FailureCode.MISMATCH, why, push=False)
+            raise FailedPrecondition(f"room {key}: zero-copy mismatch: {why}")
+        if zero_copy is not None:
+            if room.prefill_tp != decode_tp and not layout.mla:
+                raise FailedPrecondition(
+                    f"room {key}: zero-copy needs the same TP on both sides (or MLA); "
+                    f"prefill {room.prefill_tp}, decode {decode_tp}"
+                )
+            if layout.page_size != room.layout.page_size:
+                raise FailedPrecondition(f"room {key}: zero-copy needs equal page sizes")
+            if len(zero_copy.pages) != pages_for(num_tokens, layout.page_size) or zero_copy.num_slots <= 0:
+                raise InvalidArgument(f"room {key}: zero-copy target pages do not cover {num_tokens} tokens")
+            room.zero_copy = True
+            room.zc_targets[reader] = zero_copy
         if room.decode_tp is not None and room.decode_tp != decode_tp:
             raise InvalidArgument(f"room {key}: decode_tp {decode_tp} differs from {room.decode_tp}")
         if room.num_tokens is not None and room.num_tokens != num_tokens:
@@ -594,10 +677,14 @@ class Node:
 
     def expect_room(
         self, engine_id: str, key: RoomKey, prefill_address: str, prefill_group: str, num_tokens: int,
-        deadline_ms: int,
+        deadline_ms: int, pages: tuple[int, ...] = (),
     ) -> RecvRoom:
         self._require_serving()
         eng = self._engine(engine_id, Role.DECODE)
+        if eng.spec.zero_copy:
+            self._check_pages(eng, pages, num_tokens, "ExpectRoom")
+        elif pages:
+            raise InvalidArgument("pages are only for zero-copy engines")
         if not prefill_address or ":" not in prefill_address:
             raise InvalidArgument("prefill_address must be HOST:PORT of the prefill daemon's peer service")
         if not prefill_group:
@@ -632,7 +719,7 @@ class Node:
                 raise InvalidArgument(f"room {key}: readers have different layouts")
         if eng.rank in room.readers:
             raise AlreadyExists(f"room {key}: decode rank {eng.rank} already expects it")
-        room.readers[eng.rank] = ReaderState(eng)
+        room.readers[eng.rank] = ReaderState(eng, pages=pages)
         eng.recv_rooms.add(key.id)
         self.spawn(self._bootstrap_reader(room, eng.rank), f"bootstrap {key}")
         self.refresh_metrics()
@@ -646,9 +733,14 @@ class Node:
             try:
                 peer = await self.peers.connect(room.prefill_address)
                 room.peer = peer
+                rs0 = room.readers.get(reader)
+                target = None
+                if rs0 is not None and rs0.engine.spec.zero_copy:
+                    ring = rs0.engine.ring
+                    target = ZeroCopyTarget(ring.base_addr, rs0.engine.pool_slots, ring.mem, ring.device, rs0.pages)
                 prefill_tp, layout = await peer.bootstrap(
                     room.key, room.prefill_group, reader, room.decode_tp, room.layout, room.num_tokens or 0,
-                    deadline_ms,
+                    deadline_ms, target,
                 )
                 break
             except grpc.aio.AioRpcError as exc:
@@ -737,15 +829,22 @@ class Node:
             if parsed is None:
                 logger.warning("dropping malformed notification from %s: %r", agent, msg[:64])
                 continue
-            self.chunk_part_landed(*parsed)
+            self.chunk_part_landed(parsed)
 
-    def chunk_part_landed(self, key: RoomKey, chunk_id: int, writer: int, reader: int) -> None:
+    def chunk_part_landed(self, n: Notif) -> None:
+        key, chunk_id, writer, reader = n.room, n.chunk_id, n.writer, n.reader
         room = self.recv_rooms.get(key.id)
         if room is None or room.key.generation != key.generation:
             logger.debug("room %s: late notification for an old or unknown room dropped", key)
             return
         rs = room.readers.get(reader)
         slot = rs.slots.get(chunk_id) if rs else None
+        if (slot is None and rs is not None and rs.engine.spec.zero_copy and room.plan is not None
+                and room.num_tokens is not None and n.num_tokens > 0
+                and n.token_start + n.num_tokens <= room.num_tokens and 0 <= chunk_id < MAX_CHUNK_ID):
+            # Zero-copy: no slot was allocated; the chunk lands in the reader's own pages.
+            expected = frozenset(s.writer for s in room.plan if s.reader == reader)
+            slot = rs.slots[chunk_id] = InSlot(-1, 0, n.token_start, n.num_tokens, n.last, 0, expected)
         if rs is None or slot is None or writer not in slot.expected_writers:
             logger.warning("room %s: unexpected notification chunk=%d writer=%d reader=%d", key, chunk_id, writer, reader)
             return
@@ -812,7 +911,9 @@ class Node:
         return eng.ring.alloc.watermark()
 
     def _free_in_slot(self, rs: ReaderState, slot: InSlot) -> None:
-        if not slot.freed:
+        if slot.offset < 0:
+            slot.freed = True
+        elif not slot.freed:
             slot.freed = True
             self.free_slot(rs.engine, slot.offset)
 
@@ -981,7 +1082,7 @@ class Node:
 
     @staticmethod
     def _landed(cid: int, s: InSlot) -> LandedChunk:
-        return LandedChunk(cid, SlotRef(s.offset, s.length), s.token_start, s.num_tokens, s.last, s.chunk_bytes)
+        return LandedChunk(cid, SlotRef(max(0, s.offset), s.length), s.token_start, s.num_tokens, s.last, s.chunk_bytes)
 
     def _publish(self, eng: Engine, ev: RoomEvent) -> None:
         for q in eng.watchers:

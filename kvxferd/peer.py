@@ -19,8 +19,18 @@ from kvxfer_client._pb.kvxfer.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
 from kvxferd import __version__
 from kvxferd.config import Config
-from kvxferd.convert import daemon_ref, daemon_ref_pb, layout, layout_pb, room_key, room_key_pb, watermark_pb
-from kvxferd.domain import DaemonRef, FailureCode, RoomKey
+from kvxferd.convert import (
+    daemon_ref,
+    daemon_ref_pb,
+    layout,
+    layout_pb,
+    room_key,
+    room_key_pb,
+    watermark_pb,
+    zero_copy_target,
+    zero_copy_target_pb,
+)
+from kvxferd.domain import DaemonRef, FailureCode, RoomKey, ZeroCopyTarget
 from kvxferd.errors import FailedPrecondition, InvalidArgument, KvxferError, NotFound, PermissionDenied
 from kvxferd.layout import KVLayout
 from kvxferd.memory import Watermark
@@ -101,16 +111,16 @@ class PeerHandle:
 
     async def bootstrap(
         self, key: RoomKey, group: str, reader: int, decode_tp: int, lay: KVLayout, num_tokens: int,
-        deadline_unix_ms: int,
+        deadline_unix_ms: int, zero_copy: ZeroCopyTarget | None = None,
     ) -> tuple[int, KVLayout]:
-        reply = await self.stub.Bootstrap(
-            peer_pb2.BootstrapRequest(
-                sender=self._me, room=room_key_pb(key), prefill_group=group, reader_rank=reader,
-                decode_tp=decode_tp, layout=layout_pb(lay), num_tokens=num_tokens,
-                deadline_unix_ms=max(0, deadline_unix_ms),
-            ),
-            timeout=CONTROL_TIMEOUT_S,
+        req = peer_pb2.BootstrapRequest(
+            sender=self._me, room=room_key_pb(key), prefill_group=group, reader_rank=reader,
+            decode_tp=decode_tp, layout=layout_pb(lay), num_tokens=num_tokens,
+            deadline_unix_ms=max(0, deadline_unix_ms),
         )
+        if zero_copy is not None:
+            req.zero_copy.CopyFrom(zero_copy_target_pb(zero_copy))
+        reply = await self.stub.Bootstrap(req, timeout=CONTROL_TIMEOUT_S)
         return reply.prefill_tp, layout(reply.layout)
 
     async def alloc_slot(
@@ -335,9 +345,12 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         room = self._node.bootstrap(
             ref, room_key(request.room), request.prefill_group, request.reader_rank, request.decode_tp,
             layout(request.layout), request.num_tokens, request.deadline_unix_ms,
+            zero_copy_target(request.zero_copy) if request.HasField("zero_copy") else None,
         )
         assert room.layout is not None
-        return peer_pb2.BootstrapReply(prefill_tp=room.prefill_tp, layout=layout_pb(room.layout))
+        return peer_pb2.BootstrapReply(
+            prefill_tp=room.prefill_tp, layout=layout_pb(room.layout), zero_copy=room.zero_copy
+        )
 
     async def AllocSlot(self, request: peer_pb2.AllocSlotRequest, context: grpc.aio.ServicerContext) -> peer_pb2.AllocSlotReply:
         ref = daemon_ref(request.sender)

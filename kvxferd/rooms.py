@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvxferd.domain import ChunkSpec, FailureCode, RoomKey, RoomState
+from kvxferd.domain import ChunkSpec, FailureCode, RoomKey, RoomState, ZeroCopyTarget
 from kvxferd.layout import HeadSlice, KVLayout
 
 if TYPE_CHECKING:
@@ -118,6 +118,9 @@ class SendRoom(RoomBase):
         self.bootstrapped = asyncio.Event()
         self.in_flight = 0
         self.complete_sent = False
+        # Zero-copy rooms write pages of each reader's KV pool directly (no slots).
+        self.zero_copy = False
+        self.zc_targets: dict[int, ZeroCopyTarget] = {}
         self.quiesce_sent = False
         self.first_chunk_at: float | None = None
 
@@ -152,6 +155,8 @@ class ReaderState:
     slots: dict[int, InSlot] = field(default_factory=dict)
     num_chunks: int | None = None
     released: bool = False
+    # Zero-copy reader: destination pages of the room's tokens.
+    pages: tuple[int, ...] = ()
 
     def landed_count(self) -> int:
         return sum(1 for s in self.slots.values() if s.landed)

@@ -14,7 +14,7 @@ import zlib
 from typing import TYPE_CHECKING
 
 from kvxferd.domain import FailureCode
-from kvxferd.layout import bytes_per_head
+from kvxferd.layout import HeadSlice, bytes_per_head
 from kvxferd.metrics import Metrics
 from kvxferd.rooms import DestSlot, OutChunk, SendRoom
 from kvxferd.transport import XferState
@@ -51,6 +51,10 @@ class Scheduler:
             if room.finished or room.plan is None:
                 return
             slices = [s for s in room.plan if s.writer == chunk.writer]
+            if room.zero_copy:
+                if slices:
+                    self._dispatch_pages(room, chunk, slices)
+                return
             readers = sorted({s.reader for s in slices})
             dests: dict[int, DestSlot] = {}
             for reader in readers:
@@ -130,7 +134,7 @@ class Scheduler:
             if not fut.done():
                 fut.cancel()
 
-    def _dispatch(self, room: SendRoom, chunk: OutChunk, slices: list, dests: dict[int, DestSlot]) -> None:
+    def _dispatch(self, room: SendRoom, chunk: OutChunk, slices: list[HeadSlice], dests: dict[int, DestSlot]) -> None:
         assert room.layout is not None and room.peer is not None
         from kvxferd.node import encode_notif
 
@@ -139,7 +143,6 @@ class Scheduler:
         ring = chunk.engine.ring
         src_base = ring.base_addr + spec.slot.offset
         peer = room.peer
-        shard = zlib.crc32(peer.daemon_id.encode())
         jobs = []
         src_len = ring.alloc.slot_length(spec.slot.offset) or 0
         for s in slices:
@@ -153,12 +156,56 @@ class Scheduler:
             jobs.append(TransferJob(
                 remote="" if peer.is_self else peer.agent_name,
                 pairs=[(src_base + s.src_head * bph, dest.address + s.dst_head * bph, length)],
-                notif=encode_notif(room.key, spec.chunk_id, s.writer, s.reader),
+                notif=encode_notif(room.key, spec, s.writer, s.reader),
                 on_done=self._on_done,
                 local_mem=ring.mem, remote_mem=dest.mem,
                 local_device=ring.device, remote_device=dest.device,
                 tag=(room, chunk), nbytes=length,
             ))
+        self._submit(room, chunk, jobs)
+
+    def _dispatch_pages(self, room: SendRoom, chunk: OutChunk, slices: list[HeadSlice]) -> None:
+        """Zero-copy: pool pages to pool pages, one descriptor per (layer, K/V, contiguous page run)."""
+        from kvxferd.node import encode_notif
+
+        assert room.layout is not None and room.peer is not None
+        lay = room.layout
+        spec = chunk.spec
+        eng = chunk.engine
+        ps = lay.page_size
+        first_page = spec.token_start // ps
+        jobs = []
+        for s in slices:
+            target = room.zc_targets.get(s.reader)
+            if target is None:
+                self._node.fail_send_room(room, FailureCode.MISMATCH, f"reader {s.reader} has no zero-copy target")
+                return
+            dst_pages = target.pages[first_page : first_page + len(spec.pages)]
+            if len(dst_pages) != len(spec.pages):
+                self._node.fail_send_room(room, FailureCode.MISMATCH, f"chunk {spec.chunk_id} exceeds the decode pages")
+                return
+            # Same TP (or MLA): writer and reader hold the same heads, so a token slot has the same size.
+            slot_bytes = s.num_heads * lay.head_dim * lay.dtype_bytes
+            runs = coalesce(spec.pages, dst_pages)
+            pairs = []
+            for layer in range(lay.num_layers):
+                for plane in range(lay.planes):
+                    src_plane = eng.ring.base_addr + (layer * lay.planes + plane) * eng.pool_slots * slot_bytes
+                    dst_plane = target.address + (layer * lay.planes + plane) * target.num_slots * slot_bytes
+                    for sp, dp, n in runs:
+                        pairs.append((src_plane + sp * ps * slot_bytes, dst_plane + dp * ps * slot_bytes,
+                                      n * ps * slot_bytes))
+            jobs.append(TransferJob(
+                remote="" if room.peer.is_self else room.peer.agent_name, pairs=pairs,
+                notif=encode_notif(room.key, spec, s.writer, s.reader), on_done=self._on_done,
+                local_mem=eng.ring.mem, remote_mem=target.mem, local_device=eng.ring.device,
+                remote_device=target.device, tag=(room, chunk), nbytes=sum(p[2] for p in pairs),
+            ))
+        self._submit(room, chunk, jobs)
+
+    def _submit(self, room: SendRoom, chunk: OutChunk, jobs: list[TransferJob]) -> None:
+        assert room.peer is not None
+        shard = zlib.crc32(room.peer.daemon_id.encode())
         chunk.parts_pending = len(jobs)
         chunk.in_flight = len(jobs)
         room.in_flight += len(jobs)
@@ -186,3 +233,15 @@ class Scheduler:
             )
         if chunk.in_flight == 0 and (chunk.parts_pending == 0 or room.finished):
             self._node.writer_chunk_done(room, chunk)
+
+
+def coalesce(src: tuple[int, ...] | list[int], dst: tuple[int, ...] | list[int]) -> list[tuple[int, int, int]]:
+    """(src_page, dst_page, pages) runs where both sides are consecutive: one descriptor per run."""
+    runs: list[tuple[int, int, int]] = []
+    for sp, dp in zip(src, dst, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == sp and runs[-1][1] + runs[-1][2] == dp:
+            a, b, n = runs[-1]
+            runs[-1] = (a, b, n + 1)
+        else:
+            runs.append((sp, dp, 1))
+    return runs

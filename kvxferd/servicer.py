@@ -130,7 +130,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             raise errors.InvalidArgument("room is required")
         room = self._node.expect_room(
             request.engine_id, room_key(request.room), request.prefill_address, request.prefill_group,
-            request.num_tokens, request.deadline_ms,
+            request.num_tokens, request.deadline_ms, tuple(request.pages),
         )
         return engine_pb2.ExpectRoomReply(state=common_pb2.RoomState.ValueType(room.state))
 

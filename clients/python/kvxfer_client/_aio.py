@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -55,13 +55,16 @@ class _AsyncEngineClient:
         cls, *, group: str, layout: Layout, tp_size: int = 1, tp_rank: int = 0, ring_bytes: int = 64 << 20,
         socket: str | None = None, name: str = "", lease_ms: int = 0, cuda_ring: dict[str, Any] | None = None,
         map_pool: bool = True, call_timeout: float = 10.0, ring_tensor: Any = None,
+        zero_copy: bool = False,
     ) -> Any:
         self = cls(socket=socket, call_timeout=call_timeout)
         self.layout = layout
         self.ring_tensor = ring_tensor
         if ring_tensor is not None and cuda_ring is None:
             cuda_ring = export_ring(ring_tensor)
-        req = register_request(self.role, group, layout, tp_size, tp_rank, ring_bytes, name, lease_ms, cuda_ring)
+        req = register_request(
+            self.role, group, layout, tp_size, tp_rank, ring_bytes, name, lease_ms, cuda_ring, zero_copy=zero_copy
+        )
         self.reg = registration(await self._call(self.stub.RegisterEngine, req))
         if map_pool and cuda_ring is None:
             self.pool = PoolMapping(self.reg)
@@ -190,10 +193,11 @@ class AsyncPrefillSender(_AsyncEngineClient):
         return self.view(slot.offset, slot.chunk_bytes)
 
     async def enqueue(
-        self, room: int, chunk_id: int, token_start: int, num_tokens: int, slot: Slot, last: bool = False,
-        aux: bytes = b"", generation: int = 0,
+        self, room: int, chunk_id: int, token_start: int, num_tokens: int, slot: Slot | None = None,
+        last: bool = False, aux: bytes = b"", generation: int = 0, pages: Sequence[int] = (),
     ) -> None:
-        c = Chunk(room, chunk_id, token_start, num_tokens, slot, last, aux, generation)
+        """Hands a written chunk over: a slot from acquire(), or (zero-copy engines) its pool pages."""
+        c = Chunk(room, chunk_id, token_start, num_tokens, slot, last, aux, generation, tuple(pages))
         await self._call(self.stub.EnqueueChunk, chunk_request(self.engine_id, c))
 
     async def enqueue_many(self, chunks: list[Chunk]) -> list[KvxferError | None]:
@@ -226,11 +230,12 @@ class AsyncDecodeReceiver(_AsyncEngineClient):
 
     async def expect(
         self, room: int, prefill_address: str, prefill_group: str, num_tokens: int, deadline_ms: int = 0,
-        generation: int = 0,
+        generation: int = 0, pages: Sequence[int] = (),
     ) -> RoomState:
         reply = await self._call(self.stub.ExpectRoom, engine_pb2.ExpectRoomRequest(
             engine_id=self.engine_id, room=room_pb(room, generation), prefill_address=prefill_address,
-            prefill_group=prefill_group, num_tokens=num_tokens, deadline_ms=deadline_ms))
+            prefill_group=prefill_group, num_tokens=num_tokens, deadline_ms=deadline_ms,
+            pages=list(pages)))
         return RoomState(reply.state)
 
     def read(self, chunk: Landed) -> memoryview:

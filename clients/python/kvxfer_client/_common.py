@@ -149,10 +149,11 @@ class Chunk:
     chunk_id: int
     token_start: int
     num_tokens: int
-    slot: Slot
+    slot: Slot | None
     last: bool = False
     aux: bytes = b""
     generation: int = 0
+    pages: tuple[int, ...] = ()
 
 
 @dataclass
@@ -170,12 +171,12 @@ class Registration:
 
 def register_request(
     role: int, group: str, layout: Layout, tp_size: int, tp_rank: int, ring_bytes: int, name: str,
-    lease_ms: int, cuda_ring: dict[str, Any] | None, pp_size: int = 1, pp_rank: int = 0,
+    lease_ms: int, cuda_ring: dict[str, Any] | None, pp_size: int = 1, pp_rank: int = 0, zero_copy: bool = False,
 ) -> engine_pb2.RegisterEngineRequest:
     req = engine_pb2.RegisterEngineRequest(
         role=engine_pb2.Role.ValueType(role), group=group, layout=layout.to_pb(),
         parallel=common_pb2.Parallelism(tp_size=tp_size, tp_rank=tp_rank, pp_size=pp_size, pp_rank=pp_rank),
-        ring_bytes=ring_bytes, lease_ms=lease_ms, name=name,
+        ring_bytes=ring_bytes, lease_ms=lease_ms, name=name, zero_copy=zero_copy,
     )
     if cuda_ring is not None:
         req.cuda_ring.CopyFrom(engine_pb2.CudaIpcRing(**cuda_ring))
@@ -195,11 +196,13 @@ def room_pb(room: int, generation: int = 0) -> common_pb2.RoomKey:
 
 
 def chunk_request(engine_id: str, c: Chunk) -> engine_pb2.EnqueueChunkRequest:
-    return engine_pb2.EnqueueChunkRequest(
+    req = engine_pb2.EnqueueChunkRequest(
         engine_id=engine_id, room=room_pb(c.room, c.generation), chunk_id=c.chunk_id, token_start=c.token_start,
-        num_tokens=c.num_tokens, slot=common_pb2.Slot(offset=c.slot.offset, length=c.slot.length), last=c.last,
-        aux=c.aux,
+        num_tokens=c.num_tokens, last=c.last, aux=c.aux, pages=list(c.pages),
     )
+    if c.slot is not None:
+        req.slot.CopyFrom(common_pb2.Slot(offset=c.slot.offset, length=c.slot.length))
+    return req
 
 
 def _failure_name(code: int) -> str:

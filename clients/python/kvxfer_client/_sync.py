@@ -46,6 +46,7 @@ class _EngineClient:
         self, *, group: str, layout: Layout, tp_size: int = 1, tp_rank: int = 0, ring_bytes: int = 64 << 20,
         socket: str | None = None, name: str = "", lease_ms: int = 0, cuda_ring: dict[str, Any] | None = None,
         map_pool: bool = True, call_timeout: float = 10.0, ring_tensor: Any = None,
+        zero_copy: bool = False,
     ) -> None:
         # A GPU staging ring: the engine keeps the tensor, the daemon imports it by IPC handle.
         self.ring_tensor = ring_tensor
@@ -56,7 +57,9 @@ class _EngineClient:
         self._timeout = call_timeout
         self.layout = layout
         self.tp_size, self.tp_rank = tp_size, tp_rank
-        req = register_request(self.role, group, layout, tp_size, tp_rank, ring_bytes, name, lease_ms, cuda_ring)
+        req = register_request(
+            self.role, group, layout, tp_size, tp_rank, ring_bytes, name, lease_ms, cuda_ring, zero_copy=zero_copy
+        )
         self.reg: Registration = registration(self._call(self.stub.RegisterEngine, req))
         self.engine_id = self.reg.engine_id
         self.pool = PoolMapping(self.reg) if (map_pool and cuda_ring is None) else None
@@ -189,10 +192,11 @@ class PrefillSender(_EngineClient):
         return self.view(slot.offset, slot.chunk_bytes)
 
     def enqueue(
-        self, room: int, chunk_id: int, token_start: int, num_tokens: int, slot: Slot, last: bool = False,
-        aux: bytes = b"", generation: int = 0,
+        self, room: int, chunk_id: int, token_start: int, num_tokens: int, slot: Slot | None = None,
+        last: bool = False, aux: bytes = b"", generation: int = 0, pages: Sequence[int] = (),
     ) -> None:
-        c = Chunk(room, chunk_id, token_start, num_tokens, slot, last, aux, generation)
+        """Hands a written chunk over: a slot from acquire(), or (zero-copy engines) its pool pages."""
+        c = Chunk(room, chunk_id, token_start, num_tokens, slot, last, aux, generation, tuple(pages))
         self._call(self.stub.EnqueueChunk, chunk_request(self.engine_id, c))
 
     def enqueue_many(self, chunks: Sequence[Chunk]) -> list[KvxferError | None]:
@@ -237,11 +241,12 @@ class DecodeReceiver(_EngineClient):
 
     def expect(
         self, room: int, prefill_address: str, prefill_group: str, num_tokens: int, deadline_ms: int = 0,
-        generation: int = 0,
+        generation: int = 0, pages: Sequence[int] = (),
     ) -> RoomState:
         reply = self._call(self.stub.ExpectRoom, engine_pb2.ExpectRoomRequest(
             engine_id=self.engine_id, room=room_pb(room, generation), prefill_address=prefill_address,
-            prefill_group=prefill_group, num_tokens=num_tokens, deadline_ms=deadline_ms))
+            prefill_group=prefill_group, num_tokens=num_tokens, deadline_ms=deadline_ms,
+            pages=list(pages)))
         return RoomState(reply.state)
 
     def read(self, chunk: Landed) -> memoryview:

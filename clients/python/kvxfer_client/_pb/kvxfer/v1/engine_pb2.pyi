@@ -30,7 +30,7 @@ class CudaIpcRing(_message.Message):
     def __init__(self, handle: _Optional[bytes] = ..., device_uuid: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
 
 class RegisterEngineRequest(_message.Message):
-    __slots__ = ("role", "group", "layout", "parallel", "ring_bytes", "cuda_ring", "lease_ms", "name")
+    __slots__ = ("role", "group", "layout", "parallel", "ring_bytes", "cuda_ring", "lease_ms", "name", "zero_copy")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class RegisterEngineRequest(_message.Message):
     CUDA_RING_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    ZERO_COPY_FIELD_NUMBER: _ClassVar[int]
     role: Role
     group: str
     layout: _common_pb2.KVLayout
@@ -47,7 +48,8 @@ class RegisterEngineRequest(_message.Message):
     cuda_ring: CudaIpcRing
     lease_ms: int
     name: str
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., group: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., parallel: _Optional[_Union[_common_pb2.Parallelism, _Mapping]] = ..., ring_bytes: _Optional[int] = ..., cuda_ring: _Optional[_Union[CudaIpcRing, _Mapping]] = ..., lease_ms: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
+    zero_copy: bool
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., group: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., parallel: _Optional[_Union[_common_pb2.Parallelism, _Mapping]] = ..., ring_bytes: _Optional[int] = ..., cuda_ring: _Optional[_Union[CudaIpcRing, _Mapping]] = ..., lease_ms: _Optional[int] = ..., name: _Optional[str] = ..., zero_copy: _Optional[bool] = ...) -> None: ...
 
 class RegisterEngineReply(_message.Message):
     __slots__ = ("engine_id", "pool_path", "pool_bytes", "ring_offset", "ring_bytes", "lease_ms", "daemon_id", "peer_address")
@@ -120,20 +122,22 @@ class ReleaseSlotReply(_message.Message):
     def __init__(self) -> None: ...
 
 class ExpectRoomRequest(_message.Message):
-    __slots__ = ("engine_id", "room", "prefill_address", "prefill_group", "num_tokens", "deadline_ms")
+    __slots__ = ("engine_id", "room", "prefill_address", "prefill_group", "num_tokens", "deadline_ms", "pages")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ROOM_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_GROUP_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     room: _common_pb2.RoomKey
     prefill_address: str
     prefill_group: str
     num_tokens: int
     deadline_ms: int
-    def __init__(self, engine_id: _Optional[str] = ..., room: _Optional[_Union[_common_pb2.RoomKey, _Mapping]] = ..., prefill_address: _Optional[str] = ..., prefill_group: _Optional[str] = ..., num_tokens: _Optional[int] = ..., deadline_ms: _Optional[int] = ...) -> None: ...
+    pages: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, engine_id: _Optional[str] = ..., room: _Optional[_Union[_common_pb2.RoomKey, _Mapping]] = ..., prefill_address: _Optional[str] = ..., prefill_group: _Optional[str] = ..., num_tokens: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExpectRoomReply(_message.Message):
     __slots__ = ("state",)
@@ -142,7 +146,7 @@ class ExpectRoomReply(_message.Message):
     def __init__(self, state: _Optional[_Union[_common_pb2.RoomState, str]] = ...) -> None: ...
 
 class EnqueueChunkRequest(_message.Message):
-    __slots__ = ("engine_id", "room", "chunk_id", "token_start", "num_tokens", "slot", "last", "aux")
+    __slots__ = ("engine_id", "room", "chunk_id", "token_start", "num_tokens", "slot", "last", "aux", "pages")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ROOM_FIELD_NUMBER: _ClassVar[int]
     CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +155,7 @@ class EnqueueChunkRequest(_message.Message):
     SLOT_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
     AUX_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     room: _common_pb2.RoomKey
     chunk_id: int
@@ -159,7 +164,8 @@ class EnqueueChunkRequest(_message.Message):
     slot: _common_pb2.Slot
     last: bool
     aux: bytes
-    def __init__(self, engine_id: _Optional[str] = ..., room: _Optional[_Union[_common_pb2.RoomKey, _Mapping]] = ..., chunk_id: _Optional[int] = ..., token_start: _Optional[int] = ..., num_tokens: _Optional[int] = ..., slot: _Optional[_Union[_common_pb2.Slot, _Mapping]] = ..., last: _Optional[bool] = ..., aux: _Optional[bytes] = ...) -> None: ...
+    pages: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, engine_id: _Optional[str] = ..., room: _Optional[_Union[_common_pb2.RoomKey, _Mapping]] = ..., chunk_id: _Optional[int] = ..., token_start: _Optional[int] = ..., num_tokens: _Optional[int] = ..., slot: _Optional[_Union[_common_pb2.Slot, _Mapping]] = ..., last: _Optional[bool] = ..., aux: _Optional[bytes] = ..., pages: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EnqueueChunkReply(_message.Message):
     __slots__ = ("code", "message")

@@ -1,7 +1,8 @@
 from . import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -41,7 +42,7 @@ class HandshakeReply(_message.Message):
     def __init__(self, sender: _Optional[_Union[DaemonRef, _Mapping]] = ..., agent_name: _Optional[str] = ..., nixl_metadata: _Optional[bytes] = ..., version: _Optional[str] = ...) -> None: ...
 
 class BootstrapRequest(_message.Message):
-    __slots__ = ("sender", "room", "prefill_group", "reader_rank", "decode_tp", "layout", "num_tokens", "deadline_unix_ms")
+    __slots__ = ("sender", "room", "prefill_group", "reader_rank", "decode_tp", "layout", "num_tokens", "deadline_unix_ms", "zero_copy")
     SENDER_FIELD_NUMBER: _ClassVar[int]
     ROOM_FIELD_NUMBER: _ClassVar[int]
     PREFILL_GROUP_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +51,7 @@ class BootstrapRequest(_message.Message):
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    ZERO_COPY_FIELD_NUMBER: _ClassVar[int]
     sender: DaemonRef
     room: _common_pb2.RoomKey
     prefill_group: str
@@ -58,15 +60,32 @@ class BootstrapRequest(_message.Message):
     layout: _common_pb2.KVLayout
     num_tokens: int
     deadline_unix_ms: int
-    def __init__(self, sender: _Optional[_Union[DaemonRef, _Mapping]] = ..., room: _Optional[_Union[_common_pb2.RoomKey, _Mapping]] = ..., prefill_group: _Optional[str] = ..., reader_rank: _Optional[int] = ..., decode_tp: _Optional[int] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ...) -> None: ...
+    zero_copy: ZeroCopyTarget
+    def __init__(self, sender: _Optional[_Union[DaemonRef, _Mapping]] = ..., room: _Optional[_Union[_common_pb2.RoomKey, _Mapping]] = ..., prefill_group: _Optional[str] = ..., reader_rank: _Optional[int] = ..., decode_tp: _Optional[int] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., zero_copy: _Optional[_Union[ZeroCopyTarget, _Mapping]] = ...) -> None: ...
+
+class ZeroCopyTarget(_message.Message):
+    __slots__ = ("address", "num_slots", "mem", "device", "pages")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    MEM_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    address: int
+    num_slots: int
+    mem: str
+    device: int
+    pages: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, address: _Optional[int] = ..., num_slots: _Optional[int] = ..., mem: _Optional[str] = ..., device: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BootstrapReply(_message.Message):
-    __slots__ = ("prefill_tp", "layout")
+    __slots__ = ("prefill_tp", "layout", "zero_copy")
     PREFILL_TP_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    ZERO_COPY_FIELD_NUMBER: _ClassVar[int]
     prefill_tp: int
     layout: _common_pb2.KVLayout
-    def __init__(self, prefill_tp: _Optional[int] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ...) -> None: ...
+    zero_copy: bool
+    def __init__(self, prefill_tp: _Optional[int] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., zero_copy: _Optional[bool] = ...) -> None: ...
 
 class AllocSlotRequest(_message.Message):
     __slots__ = ("sender", "room", "chunk_id", "reader_rank", "token_start", "num_tokens", "last")
