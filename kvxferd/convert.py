@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2, peer_pb2
-
 from kvxferd.domain import (
     ChunkSpec,
     CudaRingSpec,

@@ -15,8 +15,8 @@ import time
 from typing import TYPE_CHECKING
 
 import grpc
-from kvxfer_client._pb.kvxfer.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
+from kvxfer_client._pb.kvxfer.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 from kvxferd import __version__
 from kvxferd.config import Config
 from kvxferd.convert import (

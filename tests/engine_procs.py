@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from kvxfer_client import DecodeReceiver, Layout, PrefillSender, RoomState
 
+from kvxfer_client import DecodeReceiver, Layout, PrefillSender, RoomState
 from kvxferd.layout import KVLayout, bytes_per_head, rank_heads
 
 

@@ -16,9 +16,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
 from kvxfer_client import KvxferError, Layout, PrefillSender
 from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc
-
 from tests.conftest import ROOT
 
 LAYOUT = Layout(num_layers=2, total_kv_heads=2, head_dim=16, dtype_bytes=2, page_size=16)

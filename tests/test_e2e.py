@@ -9,9 +9,9 @@ from typing import Any
 
 import grpc
 import pytest
+
 from kvxfer_client import Layout
 from kvxfer_client._pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc
-
 from tests.engine_procs import RoomPlan, decode_main, prefill_main
 
 LAYOUT = Layout(num_layers=2, total_kv_heads=2, head_dim=64, dtype_bytes=2, page_size=16, dtype="bfloat16")

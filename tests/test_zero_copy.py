@@ -54,7 +54,7 @@ def test_zero_copy_pages_byte_exact(daemons: Any, mla: bool, ptp: int, dtp: int)
         ppages = [3, 4, 5, 11, 0, 1, 20]  # runs of 3, 1 and 2 pages, then 1
         dpages = [7, 8, 2, 3, 4, 30, 31]
         assert len(ppages) == len(dpages) == npages
-        for r, rx in enumerate(rxs):
+        for rx in rxs:
             rx.expect(1, pre.peer_address, "zp", tokens, pages=dpages)
         for tx in txs:
             tx.enqueue(1, 0, 0, 48, pages=ppages[:3])
