@@ -25,7 +25,7 @@ run: install
 	$(VENV)/bin/kvxferd serve $(ARGS)
 
 lint: install-test
-	$(PY) -m ruff check kvxferd clients tests scripts
+	$(PY) -m ruff check kvxferd clients tests scripts examples
 	$(PY) -m mypy
 
 test: install-test lint

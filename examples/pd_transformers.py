@@ -1,0 +1,859 @@
+#!/usr/bin/env python3
+"""Real-model check: prefill in one engine, decode in another, tokens identical.
+
+A transformers causal LM (Llama, Qwen2 or Mistral family) is built from a config with random
+weights from a fixed seed. Several prompts of different lengths ("rooms") are then served the
+prefill/decode-disaggregated way, through two kvxferd daemons:
+
+* ``--prefill-tp`` prefill rank processes. Each runs the model's forward on every chunk of
+  ``--chunk-tokens`` prompt tokens (chunked prefill). A real TP engine would compute only its own
+  heads; here every rank computes the whole (tiny) model and keeps only the KV heads its TP rank
+  owns (:func:`kvxferd.layout.rank_heads`). The chunk's KV (the model's ``past_key_values`` for
+  those tokens) is stored in the rank's paged KV pool, laid out as an engine keeps it (per layer K
+  and V ``[num_slots, local_heads, head_dim]``, pages handed out in random order), then gathered by
+  the kernel straight into a slot of the rank's ring and enqueued with ``kvxfer_client``. The first
+  generated token (greedy on the prefill's last logits) travels as the room's aux bytes, as PD
+  engines do.
+* ``--decode-tp`` decode rank processes. Each receives its heads, scatters every landed chunk from
+  the ring slot into its own paged pool and watermarks it. Once the room is complete it gathers the
+  room's pages back out of its pool and hands them to the decode driver (this process), which
+  stitches every rank's heads into the full ``[layers, kv_heads, tokens, head_dim]`` cache (a TP
+  decode engine would run attention per rank instead; the stock transformers model needs the whole
+  cache), builds a ``DynamicCache`` from it and generates ``--new-tokens`` greedily, continuing
+  after the prompt's last token.
+* The reference: the same model, the same prompts and the same chunking in this one process, no
+  transfer. Chunking is kept the same so that any difference can only come from the transfer.
+
+The check passes (exit status 0) only when every room's tokens match the reference and every
+decode rank's KV (GQA replicas included) is bit-identical to the reference's. Exit status 1: the
+check failed; 2: the run itself failed (a rank, a daemon, a timeout).
+
+Daemons: two are started here (``python -m kvxferd serve``, temp sockets, peer port 0, a ready
+file) unless ``--prefill-socket``, ``--decode-socket`` and ``--prefill-address`` name running ones.
+
+Rank processes are forked on CPU: they inherit the imported torch/transformers/triton, which on a
+small machine costs more than all the work. With ``--device cuda`` they are spawned (CUDA does not
+survive a fork) and the KV pools and the model live on the GPU; the rings stay the daemons' host
+pool (the kernels' staged host path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+if TYPE_CHECKING:
+    from kvxferd.kernels.kv_copy import Backend
+
+ROOT = Path(__file__).resolve().parent.parent
+ARCHS = ("llama", "qwen2", "mistral")
+DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+FAULTS = ("none", "swap-heads")
+# Room ids of one run: base + dtype index * stride + room index. The base comes from the pid so
+# runs that share long-lived daemons never reuse an id.
+ROOM_STRIDE = 1000
+
+
+# ---------------------------------------------------------------------------------------------
+# what a run is
+
+
+@dataclass(frozen=True)
+class Room:
+    index: int
+    prompt: tuple[int, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Everything a rank process needs; plain data so that it pickles for spawned ranks."""
+
+    arch: str
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    vocab: int
+    seed: int
+    dtypes: tuple[str, ...]
+    device: str
+    page_size: int
+    chunk_tokens: int
+    new_tokens: int
+    prefill_tp: int
+    decode_tp: int
+    rooms: tuple[Room, ...]
+    run_id: str
+    room_base: int
+    fault: str
+    backend: Backend
+    timeout: float
+    prefill_socket: str = ""
+    decode_socket: str = ""
+    prefill_address: str = ""
+
+    def room_id(self, dtype: str, room: Room) -> int:
+        return self.room_base + self.dtypes.index(dtype) * ROOM_STRIDE + room.index
+
+    def group(self, dtype: str, role: str) -> str:
+        return f"{self.run_id}-{dtype}-{role}"
+
+    def chunks(self, room: Room) -> list[tuple[int, int]]:
+        """Token ranges [start, end) of the room's prefill chunks."""
+        n = room.num_tokens
+        return [(s, min(s + self.chunk_tokens, n)) for s in range(0, n, self.chunk_tokens)]
+
+
+def kv_layout(spec: Spec, dtype: str) -> Any:
+    from kvxfer_client import Layout
+
+    return Layout(
+        num_layers=spec.layers, total_kv_heads=spec.kv_heads, head_dim=spec.head_dim,
+        dtype_bytes=DTYPES[dtype].itemsize, page_size=spec.page_size, dtype=dtype,
+    )
+
+
+def swap_rank(spec: Spec) -> int:
+    """The decode rank that the swap-heads fault corrupts: the last one holding two heads or more."""
+    from kvxferd.layout import rank_heads
+
+    for rank in reversed(range(spec.decode_tp)):
+        if rank_heads(spec.kv_heads, spec.decode_tp, rank).count >= 2:
+            return rank
+    raise ValueError("--fault swap-heads needs a decode rank that holds at least two KV heads")
+
+
+# ---------------------------------------------------------------------------------------------
+# the model
+
+
+def setup_torch(spec: Spec) -> None:
+    # One thread everywhere: the reference and every rank then run the same kernels with the same
+    # reduction order, so their KV agrees bit for bit (and 2 cores are shared by many processes).
+    torch.set_num_threads(1)
+    if spec.device.startswith("cuda"):
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def build_model(spec: Spec, dtype: str) -> Any:
+    """The causal LM from a config, random weights from ``spec.seed``; the same in every process."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[spec.arch]
+    longest = max(r.num_tokens for r in spec.rooms) + spec.new_tokens
+    config = config_cls(
+        vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=2 * spec.hidden,
+        num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
+        head_dim=spec.head_dim, max_position_embeddings=max(256, 2 * longest), tie_word_embeddings=False,
+    )
+    # Initialised in fp32 from the seed, then cast: every dtype sees the same weights, rounded.
+    torch.manual_seed(spec.seed)
+    model = AutoModelForCausalLM.from_config(config)
+    return model.to(device=spec.device, dtype=DTYPES[dtype]).eval()
+
+
+def new_cache(model: Any) -> Any:
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:  # transformers < 4.56 builds its layers lazily
+        return DynamicCache()
+
+
+def cache_kv(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer ``layer``'s K and V, each ``[1, kv_heads, tokens, head_dim]``."""
+    if hasattr(cache, "layers"):
+        lay = cache.layers[layer]
+        return lay.keys, lay.values
+    return cache.key_cache[layer], cache.value_cache[layer]
+
+
+def greedy_continue(model: Any, cache: Any, first: int, new_tokens: int) -> list[int]:
+    """``new_tokens`` greedy tokens: ``first`` (sampled by prefill), then one forward per token."""
+    tokens = [first]
+    device = next(model.parameters()).device
+    while len(tokens) < new_tokens:
+        ids = torch.tensor([[tokens[-1]]], device=device)
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens
+
+
+def prefill_chunk(model: Any, cache: Any, prompt: Sequence[int], start: int, end: int) -> int:
+    """One chunked-prefill forward over prompt[start:end]; returns the greedy next token."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(prompt[start:end])], device=device)
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+    return int(out.logits[0, -1].argmax())
+
+
+def stacked_kv(cache: Any, layers: int, start: int, end: int) -> torch.Tensor:
+    """The cache's tokens [start, end) as ``[kv_heads, layers, 2, tokens, head_dim]`` (slot order)."""
+    per_layer = []
+    for layer in range(layers):
+        k, v = cache_kv(cache, layer)
+        per_layer.append(torch.stack((k[0, :, start:end], v[0, :, start:end]), dim=1))  # [H, 2, T, D]
+    return torch.stack(per_layer, dim=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# an engine rank's paged KV pool
+
+
+class PagedPool:
+    """Per layer K and V ``[num_slots, local_heads, head_dim]``; pages handed out in random order."""
+
+    def __init__(
+        self, spec: Spec, dtype: str, local_heads: int, num_pages: int, seed: int, garbage: bool
+    ) -> None:
+        from kvxferd.kernels import KVPages
+
+        gen = torch.Generator().manual_seed(seed)
+        slots = num_pages * spec.page_size
+        shape = (slots, local_heads, spec.head_dim)
+
+        def plane() -> torch.Tensor:
+            # The decode pool starts as loud garbage so a token the scatter missed cannot pass for KV.
+            t = torch.randn(shape, generator=gen) * 1000 if garbage else torch.zeros(shape)
+            return t.to(device=spec.device, dtype=DTYPES[dtype])
+
+        self.k = [plane() for _ in range(spec.layers)]
+        self.v = [plane() for _ in range(spec.layers)]
+        self.kv = KVPages(self.k, self.v)
+        self.page_size = spec.page_size
+        self.free = torch.randperm(num_pages, generator=gen).tolist()
+
+    def alloc(self, num_tokens: int) -> torch.Tensor:
+        n = -(-num_tokens // self.page_size)
+        if n > len(self.free):
+            raise RuntimeError(f"KV pool out of pages: {n} needed, {len(self.free)} free")
+        pages, self.free = self.free[:n], self.free[n:]
+        return torch.tensor(pages, dtype=torch.int64)
+
+    def store(self, pages: torch.Tensor, start: int, kv: torch.Tensor) -> None:
+        """What an engine's attention does: write tokens [start, start+T) of ``kv``
+        (``[local_heads, layers, 2, T, head_dim]``) into their page slots."""
+        tok = torch.arange(start, start + kv.shape[3])
+        slots = (pages[tok // self.page_size] * self.page_size + tok % self.page_size).to(kv.device)
+        for layer in range(len(self.k)):
+            self.k[layer][slots] = kv[:, layer, 0].transpose(0, 1)
+            self.v[layer][slots] = kv[:, layer, 1].transpose(0, 1)
+
+    def chunk_pages(self, pages: torch.Tensor, start: int, num_tokens: int) -> torch.Tensor:
+        # The kernels address a chunk from the start of its first page; chunked prefill keeps chunk
+        # boundaries on page boundaries (checked when the run is set up), so this is exact.
+        if start % self.page_size:
+            raise ValueError(f"chunk starts at token {start}, not on a page boundary of {self.page_size}")
+        first = start // self.page_size
+        return pages[first : first + -(-num_tokens // self.page_size)]
+
+
+def slot_tensor(client: Any, offset: int, length: int) -> torch.Tensor:
+    """A uint8 tensor over ``length`` bytes of the client's ring at ``offset``, no copy."""
+    if hasattr(client, "tensor"):
+        return cast(torch.Tensor, client.tensor(offset, length))
+    return torch.frombuffer(client.view(offset, length), dtype=torch.uint8)
+
+
+def device_sync(device: str) -> None:
+    # The kernels are asynchronous on a GPU: the slot must hold the bytes before the daemon is told.
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def pages_for(spec: Spec) -> int:
+    """Enough pages for every room at once, plus spare ones so the random placement has room."""
+    return sum(-(-r.num_tokens // spec.page_size) for r in spec.rooms) * 3 // 2 + 2
+
+
+def ring_bytes_for(spec: Spec, dtype: str, local_heads: int) -> int:
+    """A ring that holds every chunk of every room (so a slow reader slows, never stalls, a run)."""
+    per_token = local_heads * spec.layers * 2 * spec.head_dim * DTYPES[dtype].itemsize
+    total = sum(len(spec.chunks(r)) * spec.chunk_tokens * per_token for r in spec.rooms)
+    return int(min(64 << 20, max(1 << 20, 2 * total)))
+
+
+# ---------------------------------------------------------------------------------------------
+# prefill rank
+
+
+def prefill_rank(spec: Spec, rank: int, results: Any) -> None:
+    try:
+        results.put(("done", "prefill", rank, _prefill_rank(spec, rank), None))
+    except BaseException:
+        results.put(("done", "prefill", rank, {}, traceback.format_exc()))
+
+
+def _prefill_rank(spec: Spec, rank: int) -> dict[str, Any]:
+    from kvxfer_client import PrefillSender
+    from kvxferd.layout import rank_heads
+
+    setup_torch(spec)
+    heads = rank_heads(spec.kv_heads, spec.prefill_tp, rank)
+    hs = slice(heads.start, heads.start + heads.count)
+    gathered = 0
+    with contextlib.ExitStack() as stack:
+        engines: dict[str, tuple[Any, Any, PagedPool]] = {}
+        for i, dt in enumerate(spec.dtypes):
+            tx = stack.enter_context(PrefillSender(
+                socket=spec.prefill_socket, group=spec.group(dt, "prefill"), layout=kv_layout(spec, dt),
+                tp_size=spec.prefill_tp, tp_rank=rank, ring_bytes=ring_bytes_for(spec, dt, heads.count),
+                name=f"{spec.group(dt, 'prefill')}-r{rank}",
+            ))
+            pool = PagedPool(spec, dt, heads.count, pages_for(spec), seed=spec.seed * 7919 + 100 * i + rank,
+                             garbage=False)
+            engines[dt] = (build_model(spec, dt), tx, pool)
+        caches = {(dt, r.index): new_cache(engines[dt][0]) for dt in spec.dtypes for r in spec.rooms}
+        pages = {(dt, r.index): engines[dt][2].alloc(r.num_tokens) for dt in spec.dtypes for r in spec.rooms}
+        # Chunk c of every room before chunk c+1 of any, alternating dtypes: the rooms' chunks
+        # interleave in both daemons as they would under a batching scheduler.
+        steps = max(len(spec.chunks(r)) for r in spec.rooms)
+        with torch.inference_mode():
+            for c in range(steps):
+                for room in spec.rooms:
+                    chunks = spec.chunks(room)
+                    if c >= len(chunks):
+                        continue
+                    start, end = chunks[c]
+                    for dt in spec.dtypes:
+                        model, tx, pool = engines[dt]
+                        cache = caches[(dt, room.index)]
+                        nxt = prefill_chunk(model, cache, room.prompt, start, end)
+                        # The stock model attends from its DynamicCache; the pool is the engine's
+                        # copy of this rank's heads, the one the transfer reads, as in a real engine.
+                        pool.store(pages[(dt, room.index)], start, stacked_kv(cache, spec.layers, start, end)[hs])
+                        n = end - start
+                        slot = tx.acquire(n, timeout=spec.timeout)
+                        dst = slot_tensor(tx, slot.offset, slot.chunk_bytes)
+                        pool.kv.gather(pool.chunk_pages(pages[(dt, room.index)], start, n), n, spec.page_size,
+                                       dst, backend=spec.backend)
+                        device_sync(spec.device)
+                        del dst  # no view of the ring may outlive the client's mapping
+                        last = end == room.num_tokens
+                        aux = nxt.to_bytes(4, "little") if last else b""
+                        tx.enqueue(spec.room_id(dt, room), c, start, n, slot, last=last, aux=aux)
+                        gathered += slot.chunk_bytes
+                    if end == room.num_tokens:
+                        for dt in spec.dtypes:
+                            del caches[(dt, room.index)]  # this room's prefill is over
+        states: dict[str, str] = {}
+        for dt in spec.dtypes:
+            tx = engines[dt][1]
+            for room in spec.rooms:
+                rid = spec.room_id(dt, room)
+                states[str(rid)] = tx.wait(rid, timeout=spec.timeout, poll_s=0.01).state.name
+                tx.release(rid)
+    return {"bytes_gathered": gathered, "states": states}
+
+
+# ---------------------------------------------------------------------------------------------
+# decode rank
+
+
+@dataclass
+class _Recv:
+    dtype: str
+    room: Room
+    pages: torch.Tensor
+    done: set[int] = field(default_factory=set)
+    tokens: int = 0
+
+
+def decode_rank(spec: Spec, rank: int, results: Any) -> None:
+    try:
+        results.put(("done", "decode", rank, _decode_rank(spec, rank, results), None))
+    except BaseException:
+        results.put(("done", "decode", rank, {}, traceback.format_exc()))
+
+
+def _watch(rx: Any, wake: queue.Queue[int]) -> None:
+    # Events only say which room to poll; PollRoom stays the source of truth, so an event lost
+    # while the stream was being set up costs a fallback poll, never a room.
+    with contextlib.suppress(Exception):
+        for ev in rx.watch():
+            wake.put(ev.room)
+
+
+def _decode_rank(spec: Spec, rank: int, results: Any) -> dict[str, Any]:
+    from kvxfer_client import DecodeReceiver, RoomFailed, RoomState
+    from kvxferd.layout import rank_heads
+
+    setup_torch(spec)
+    heads = rank_heads(spec.kv_heads, spec.decode_tp, rank)
+    swap = spec.fault == "swap-heads" and rank == swap_rank(spec)
+    received = 0
+    wake: queue.Queue[int] = queue.Queue()
+    with contextlib.ExitStack() as stack:
+        engines: dict[str, tuple[Any, PagedPool]] = {}
+        for i, dt in enumerate(spec.dtypes):
+            rx = stack.enter_context(DecodeReceiver(
+                socket=spec.decode_socket, group=spec.group(dt, "decode"), layout=kv_layout(spec, dt),
+                tp_size=spec.decode_tp, tp_rank=rank, ring_bytes=ring_bytes_for(spec, dt, heads.count),
+                name=f"{spec.group(dt, 'decode')}-r{rank}",
+            ))
+            pool = PagedPool(spec, dt, heads.count, pages_for(spec), seed=spec.seed * 7919 + 100 * i + 50 + rank,
+                             garbage=True)
+            engines[dt] = (rx, pool)
+            threading.Thread(target=_watch, args=(rx, wake), daemon=True).start()
+        active: dict[int, _Recv] = {}
+        for dt in spec.dtypes:
+            rx, pool = engines[dt]
+            for room in spec.rooms:
+                rid = spec.room_id(dt, room)
+                active[rid] = _Recv(dt, room, pool.alloc(room.num_tokens))
+                rx.expect(rid, spec.prefill_address, spec.group(dt, "prefill"), room.num_tokens,
+                          deadline_ms=int(spec.timeout * 1000))
+        deadline = time.monotonic() + spec.timeout
+        while active:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"decode rank {rank}: rooms unfinished after {spec.timeout} s: {sorted(active)}")
+            dirty: set[int] = set()
+            try:
+                dirty.add(wake.get(timeout=0.05))
+                while True:
+                    dirty.add(wake.get_nowait())
+            except queue.Empty:
+                pass
+            if not dirty:
+                dirty = set(active)  # quiet for a while: poll everything once
+            for rid in sorted(dirty & set(active)):
+                rec = active[rid]
+                rx, pool = engines[rec.dtype]
+                st = rx.poll(rid)
+                for c in st.landed:
+                    if c.chunk_id in rec.done:
+                        continue
+                    src = slot_tensor(rx, c.offset, c.chunk_bytes)
+                    chunk_pages = pool.chunk_pages(rec.pages, c.token_start, c.num_tokens)
+                    if swap:
+                        # Test-only fault: local head h lands where head count-1-h belongs.
+                        per_head = c.chunk_bytes // heads.count
+                        for h in range(heads.count):
+                            pool.kv.scatter(chunk_pages, c.num_tokens, spec.page_size,
+                                            src[h * per_head : (h + 1) * per_head],
+                                            head_start=heads.count - 1 - h, num_heads=1, backend=spec.backend)
+                    else:
+                        pool.kv.scatter(chunk_pages, c.num_tokens, spec.page_size, src, backend=spec.backend)
+                    device_sync(spec.device)
+                    del src
+                    rx.watermark(rid, [c.chunk_id])
+                    rec.done.add(c.chunk_id)
+                    rec.tokens += c.num_tokens
+                    received += c.chunk_bytes
+                if st.state is RoomState.FAILED:
+                    raise RoomFailed(rid, st.failure_code, st.failure_reason)
+                if st.state is RoomState.SUCCESS and rec.tokens == rec.room.num_tokens:
+                    # The decode engine's view of the room: its heads, gathered back out of its pool.
+                    n = rec.room.num_tokens
+                    out = torch.empty(pool.kv.slot_nbytes(n), dtype=torch.uint8, device=spec.device)
+                    pool.kv.gather(rec.pages, n, spec.page_size, out, backend=spec.backend)
+                    results.put(("kv", rec.dtype, rec.room.index, rank, out.cpu().numpy().tobytes(), st.aux))
+                    rx.release(rid)
+                    del active[rid]
+    return {"bytes_received": received}
+
+
+
+# ---------------------------------------------------------------------------------------------
+# reference and decode driver (this process)
+
+
+@dataclass
+class Reference:
+    tokens: list[int]
+    kv: torch.Tensor  # [kv_heads, layers, 2, tokens, head_dim], CPU
+
+
+def reference(spec: Spec, model: Any) -> dict[int, Reference]:
+    """Every room in one process, no transfer: the same chunked prefill, then greedy decode."""
+    out: dict[int, Reference] = {}
+    with torch.inference_mode():
+        for room in spec.rooms:
+            cache = new_cache(model)
+            nxt = 0
+            for start, end in spec.chunks(room):
+                nxt = prefill_chunk(model, cache, room.prompt, start, end)
+            kv = stacked_kv(cache, spec.layers, 0, room.num_tokens).cpu().clone()
+            out[room.index] = Reference(greedy_continue(model, cache, nxt, spec.new_tokens), kv)
+    return out
+
+
+def check_room(
+    spec: Spec, dtype: str, model: Any, room: Room, ref: Reference, parts: dict[int, tuple[bytes, bytes]]
+) -> dict[str, Any]:
+    """Stitch the decode ranks' heads into one cache, generate from it, compare with the reference."""
+    from kvxferd.layout import rank_heads
+
+    dt = DTYPES[dtype]
+    n = room.num_tokens
+    full = torch.empty((spec.kv_heads, spec.layers, 2, n, spec.head_dim), dtype=dt)
+    filled = [False] * spec.kv_heads
+    max_diff = 0.0
+    identical = True
+    for rank in sorted(parts):
+        rh = rank_heads(spec.kv_heads, spec.decode_tp, rank)
+        part = torch.frombuffer(bytearray(parts[rank][0]), dtype=torch.uint8).view(dt)
+        part = part.view(rh.count, spec.layers, 2, n, spec.head_dim)
+        want = ref.kv[rh.start : rh.start + rh.count]
+        # Every rank is compared, GQA replicas included: a replica nobody decodes from here is
+        # still a rank a TP engine would attend with.
+        identical = identical and torch.equal(part.view(torch.uint8), want.contiguous().view(torch.uint8))
+        max_diff = max(max_diff, float((part.double() - want.double()).abs().max()))
+        for h in range(rh.count):
+            if not filled[rh.start + h]:
+                full[rh.start + h] = part[h]
+                filled[rh.start + h] = True
+    aux = parts[0][1]
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        cache = new_cache(model)
+        for layer in range(spec.layers):
+            k = full[:, layer, 0].unsqueeze(0).contiguous().to(device)
+            v = full[:, layer, 1].unsqueeze(0).contiguous().to(device)
+            cache.update(k, v, layer)
+        tokens = greedy_continue(model, cache, int.from_bytes(aux, "little"), spec.new_tokens) if len(aux) == 4 else []
+    common = min(len(tokens), len(ref.tokens))
+    mismatch = next((i for i in range(common) if tokens[i] != ref.tokens[i]), None)
+    if mismatch is None and len(tokens) != len(ref.tokens):
+        mismatch = common
+    return {
+        "dtype": dtype, "room": spec.room_id(dtype, room), "index": room.index, "prompt_tokens": n,
+        "chunks": len(spec.chunks(room)), "tokens_match": mismatch is None, "first_mismatch": mismatch,
+        "max_abs_kv_diff": max_diff, "kv_bit_identical": identical, "tokens": tokens,
+        "reference_tokens": ref.tokens,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# daemons of our own
+
+
+class OwnDaemons:
+    """Two daemons as subprocesses (temp sockets, peer port 0); started at once, awaited later."""
+
+    def __init__(self, timeout: float = 60.0) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="kvx-pd-"))  # short: socket paths are capped at 108 B
+        self.timeout = timeout
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.info: dict[str, dict[str, Any]] = {}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        for name in ("prefill", "decode"):
+            args = [
+                sys.executable, "-m", "kvxferd", "serve", "--socket", str(self.dir / f"{name}.sock"),
+                "--peer-listen", "127.0.0.1:0", "--metrics-port", "-1", "--host-pool-bytes", "128MiB",
+                "--daemon-id", f"pd-{name}-{os.getpid()}", "--ready-file", str(self.dir / f"{name}.ready"),
+                "--log-format", "text", "--set", "drain_grace_s=2",
+            ]
+            with open(self.dir / f"{name}.log", "ab") as log:
+                self.procs[name] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        for name, proc in self.procs.items():
+            ready = self.dir / f"{name}.ready"
+            while not ready.exists():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} daemon exited with {proc.returncode}:\n{self.log(name)}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{name} daemon not ready after {self.timeout} s:\n{self.log(name)}")
+                time.sleep(0.02)
+            self.info[name] = json.loads(ready.read_text())
+
+    def log(self, name: str) -> str:
+        try:
+            return (self.dir / f"{name}.log").read_text(errors="replace")[-4000:]
+        except FileNotFoundError:
+            return ""
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        if not os.environ.get("KVX_KEEP_LOGS"):
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+
+
+def run(spec: Spec, daemons: OwnDaemons | None = None) -> dict[str, Any]:
+    """Reference, then the PD run through the daemons; the report as a dict."""
+    setup_torch(spec)
+    models = {dt: build_model(spec, dt) for dt in spec.dtypes}
+    refs = {dt: reference(spec, models[dt]) for dt in spec.dtypes}
+    if daemons is not None:
+        # Our own daemons booted while the models were built and the reference ran.
+        daemons.wait_ready()
+        spec = replace(
+            spec, prefill_socket=daemons.info["prefill"]["socket"], decode_socket=daemons.info["decode"]["socket"],
+            prefill_address=daemons.info["prefill"]["peer_address"],
+        )
+    fork = not spec.device.startswith("cuda")
+    if fork:
+        # Forked ranks inherit these imports instead of paying for them once each.
+        import kvxfer_client  # noqa: F401
+        import kvxferd.kernels
+
+        if kvxferd.kernels.triton_available() and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+            import kvxferd.kernels._triton_kv
+    ctx: Any = mp.get_context("fork" if fork else "spawn")
+    results: Any = ctx.Queue()
+    procs: dict[tuple[str, int], Any] = {}
+    for rank in range(spec.decode_tp):
+        procs[("decode", rank)] = ctx.Process(target=decode_rank, args=(spec, rank, results), daemon=True)
+    for rank in range(spec.prefill_tp):
+        procs[("prefill", rank)] = ctx.Process(target=prefill_rank, args=(spec, rank, results), daemon=True)
+    t0 = time.perf_counter()
+    for p in procs.values():
+        p.start()
+    parts: dict[tuple[str, int], dict[int, tuple[bytes, bytes]]] = {}
+    rows: dict[tuple[str, int], dict[str, Any]] = {}
+    stats: dict[tuple[str, int], dict[str, Any]] = {}
+    errors: list[str] = []
+    gone_since: dict[tuple[str, int], float] = {}
+    deadline = time.monotonic() + spec.timeout + 30
+    by_index = {r.index: r for r in spec.rooms}
+    try:
+        while len(stats) < len(procs) and not errors:
+            try:
+                msg = results.get(timeout=0.5)
+            except queue.Empty:
+                now = time.monotonic()
+                for key, p in procs.items():
+                    # A rank that died without a word (a crash, the OOM killer) would hang the run.
+                    if key not in stats and p.exitcode is not None and now - gone_since.setdefault(key, now) > 3:
+                        errors.append(f"{key[0]} rank {key[1]} exited with {p.exitcode} and no report")
+                if now > deadline:
+                    errors.append(f"run not finished after {spec.timeout + 30:.0f} s")
+                continue
+            if msg[0] == "kv":
+                _, dtype, index, rank, data, aux = msg
+                got = parts.setdefault((dtype, index), {})
+                got[rank] = (data, aux)
+                if len(got) == spec.decode_tp:
+                    room = by_index[index]
+                    rows[(dtype, index)] = check_room(spec, dtype, models[dtype], room, refs[dtype][index], got)
+                    del parts[(dtype, index)]
+            else:
+                _, role, rank, payload, err = msg
+                stats[(role, rank)] = payload
+                if err:
+                    errors.append(f"{role} rank {rank} failed:\n{err}")
+    finally:
+        wall = time.perf_counter() - t0
+        for p in procs.values():
+            if errors:
+                p.terminate()
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    ordered = [rows[(dt, r.index)] for dt in spec.dtypes for r in spec.rooms if (dt, r.index) in rows]
+    complete = len(ordered) == len(spec.dtypes) * len(spec.rooms)
+    first = next((r for r in ordered if not r["tokens_match"]), None)
+    tokens_match = complete and first is None
+    max_diff = max((r["max_abs_kv_diff"] for r in ordered), default=math.inf)
+    identical = complete and all(r["kv_bit_identical"] for r in ordered)
+    bytes_moved = sum(s.get("bytes_received", 0) for (role, _), s in stats.items() if role == "decode")
+    bytes_gathered = sum(s.get("bytes_gathered", 0) for (role, _), s in stats.items() if role == "prefill")
+    return {
+        "ok": not errors and tokens_match and identical and max_diff == 0,
+        "tokens_match": tokens_match,
+        "first_mismatch": None if first is None else {
+            "dtype": first["dtype"], "room": first["room"], "position": first["first_mismatch"]},
+        "max_abs_kv_diff": max_diff if math.isfinite(max_diff) else None,
+        "kv_bit_identical": identical,
+        "bytes_moved": bytes_moved,
+        "bytes_gathered": bytes_gathered,
+        "wall_s": round(wall, 3),
+        "rooms": len(ordered),
+        "errors": errors,
+        "config": {k: v for k, v in asdict(spec).items() if k not in ("rooms",)},
+        "per_room": ordered,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# output
+
+
+def print_report(spec: Spec, rep: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=120)
+    title = (
+        f"{spec.arch}: {spec.layers} layers, {spec.heads} heads / {spec.kv_heads} KV heads x {spec.head_dim}, "
+        f"prefill TP {spec.prefill_tp} -> decode TP {spec.decode_tp}, chunks of {spec.chunk_tokens}, "
+        f"pages of {spec.page_size}" + (f", fault {spec.fault}" if spec.fault != "none" else "")
+    )
+    table = Table(title=title, title_justify="left")
+    for col, just in (("dtype", "left"), ("room", "right"), ("prompt", "right"), ("chunks", "right"),
+                      ("decode tokens", "left"), ("= reference", "left"), ("max |dKV|", "right"),
+                      ("KV bit-exact", "left")):
+        table.add_column(col, justify=just)  # type: ignore[arg-type]
+    for r in rep["per_room"]:
+        match = "yes" if r["tokens_match"] else f"[red]no, from {r['first_mismatch']}[/red]"
+        exact = "yes" if r["kv_bit_identical"] else "[red]no[/red]"
+        table.add_row(r["dtype"], str(r["room"]), str(r["prompt_tokens"]), str(r["chunks"]),
+                      " ".join(map(str, r["tokens"])), match, f"{r['max_abs_kv_diff']:g}", exact)
+    console.print(table)
+    for err in rep["errors"]:
+        console.print(f"[red]error:[/red] {err}", markup=True, highlight=False)
+    verdict = "[green]PASS[/green]" if rep["ok"] else "[red]FAIL[/red]"
+    console.print(
+        f"tokens_match={rep['tokens_match']} first_mismatch={json.dumps(rep['first_mismatch'])} "
+        f"max_abs_kv_diff={rep['max_abs_kv_diff']} kv_bit_identical={rep['kv_bit_identical']}", highlight=False,
+    )
+    console.print(f"rooms={rep['rooms']} bytes_moved={rep['bytes_moved']} wall_s={rep['wall_s']}  {verdict}",
+                  highlight=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# command line
+
+
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Spec]:
+    from kvxferd.layout import rank_heads
+
+    p = argparse.ArgumentParser(
+        description="Prefill a transformers model in one engine, decode in another through two kvxferd daemons, "
+        "and check the tokens and the KV against a one-process reference.",
+    )
+    p.add_argument("--arch", choices=ARCHS, default="llama")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4, help="attention (query) heads")
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0, help="weights and prompts")
+    p.add_argument("--rooms", type=int, default=8, help="prompts, of different lengths, served at once")
+    p.add_argument("--prompt-tokens", type=int, default=48, help="longest prompt; the others are shorter")
+    p.add_argument("--chunk-tokens", type=int, default=16, help="chunked prefill size (a multiple of --page-size)")
+    p.add_argument("--page-size", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=8, help="greedy tokens per room, the prefill's first included")
+    p.add_argument("--prefill-tp", type=int, default=1)
+    p.add_argument("--decode-tp", type=int, default=1)
+    p.add_argument("--dtype", default="bfloat16,float32", help="comma list: bfloat16, float16, float32")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (KV pools and the model)")
+    p.add_argument("--kernel-backend", choices=("auto", "triton", "torch"), default="auto")
+    p.add_argument("--fault", choices=FAULTS, default="none",
+                   help="test only: swap-heads makes one decode rank scatter its heads in reverse order")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds for the whole PD run")
+    p.add_argument("--prefill-socket", default="", help="running prefill daemon (else one is started)")
+    p.add_argument("--decode-socket", default="", help="running decode daemon")
+    p.add_argument("--prefill-address", default="", help="the prefill daemon's peer address")
+    p.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    args = p.parse_args(argv)
+
+    given = [bool(args.prefill_socket), bool(args.decode_socket), bool(args.prefill_address)]
+    if any(given) and not all(given):
+        p.error("--prefill-socket, --decode-socket and --prefill-address go together")
+    for name in ("layers", "heads", "kv_heads", "head_dim", "hidden", "vocab", "rooms", "prompt_tokens",
+                 "chunk_tokens", "page_size", "new_tokens", "prefill_tp", "decode_tp"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.rooms >= ROOM_STRIDE:
+        p.error(f"--rooms must be below {ROOM_STRIDE}")
+    if args.heads % args.kv_heads:
+        p.error(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
+    if args.chunk_tokens % args.page_size:
+        p.error("--chunk-tokens must be a multiple of --page-size: every chunk starts on a page boundary")
+    dtypes = tuple(_DTYPE_ALIASES.get(d.strip(), d.strip()) for d in args.dtype.split(",") if d.strip())
+    bad = [d for d in dtypes if d not in DTYPES]
+    if bad or not dtypes or len(set(dtypes)) != len(dtypes):
+        p.error(f"--dtype: give distinct names among {', '.join(DTYPES)}")
+    try:
+        for tp in (args.prefill_tp, args.decode_tp):
+            rank_heads(args.kv_heads, tp, 0)
+    except ValueError as exc:
+        p.error(str(exc))
+
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    lo = max(1, args.prompt_tokens // 4)
+    # The longest prompt, then distinct shorter lengths while there are enough of them.
+    pool = torch.randperm(args.prompt_tokens - lo, generator=gen).add(lo).tolist() if args.prompt_tokens > lo else []
+    lengths = [args.prompt_tokens]
+    for i in range(1, args.rooms):
+        lengths.append(pool[i - 1] if i - 1 < len(pool) else int(torch.randint(lo, args.prompt_tokens + 1, (1,),
+                                                                                generator=gen)))
+    rooms = tuple(
+        Room(i, tuple(torch.randint(0, args.vocab, (n,), generator=gen).tolist())) for i, n in enumerate(lengths)
+    )
+    pid = os.getpid()
+    spec = Spec(
+        arch=args.arch, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+        hidden=args.hidden, vocab=args.vocab, seed=args.seed, dtypes=dtypes, device=args.device,
+        page_size=args.page_size, chunk_tokens=args.chunk_tokens, new_tokens=args.new_tokens,
+        prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, rooms=rooms,
+        run_id=f"pd{pid}-{int(time.time() * 1000) % 1_000_000}", room_base=(pid % 4_000_000) * 10 * ROOM_STRIDE,
+        fault=args.fault, backend=cast("Backend", args.kernel_backend), timeout=args.timeout,
+        prefill_socket=args.prefill_socket, decode_socket=args.decode_socket,
+        prefill_address=args.prefill_address,
+    )
+    if spec.fault == "swap-heads":
+        try:
+            swap_rank(spec)
+        except ValueError as exc:
+            p.error(str(exc))
+    return args, spec
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, spec = parse_args(argv)
+    daemons = None if spec.prefill_socket else OwnDaemons()
+    try:
+        rep = run(spec, daemons)
+    except Exception as exc:  # a run that could not happen still leaves a report
+        rep = {"ok": False, "tokens_match": False, "first_mismatch": None, "max_abs_kv_diff": None,
+               "kv_bit_identical": False, "bytes_moved": 0, "bytes_gathered": 0, "wall_s": 0.0, "rooms": 0,
+               "errors": [f"{type(exc).__name__}: {exc}"], "config": {}, "per_room": []}
+    finally:
+        if daemons is not None:
+            daemons.close()
+    print_report(spec, rep)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rep, indent=2) + "\n")
+    if rep["errors"]:
+        return 2
+    return 0 if rep["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
