@@ -10,7 +10,9 @@ everything is closed. A second SIGINT exits at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import grp
+import ipaddress
 import json
 import logging
 import os
@@ -20,15 +22,15 @@ import stat
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from kvxfer_client._pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
 
+from kvxfer_client._pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
 from kvxferd import __version__
 from kvxferd.config import Config
 from kvxferd.domain import FailureCode
@@ -41,10 +43,15 @@ from kvxferd.servicer import EngineServicer, wrap_servicer
 from kvxferd.transport import Transport
 from kvxferd.workers import WorkerPool
 
+if TYPE_CHECKING:
+    from kvxferd.transport import FaultInjector
+
 logger = logging.getLogger(__name__)
 
 ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
 PEER_SERVICE = peer_pb2.DESCRIPTOR.services_by_name["Peer"].full_name
+# After the last room finished, how long a drain waits for engines to read the outcomes.
+DRAIN_LINGER_S = 2.0
 PEER_UNARY = ("Handshake", "Bootstrap", "AllocSlot", "Watermark", "Complete", "Abort", "Heartbeat")
 
 
@@ -92,15 +99,66 @@ def setup_logging(config: Config) -> None:
     root.setLevel(config.log_level.upper())
 
 
-def make_transport(config: Config, name: str) -> Transport:
+def make_transport(config: Config, name: str, injector: FaultInjector | None = None) -> Transport:
     if config.transport == "local":
         from kvxferd.transport import LocalTransport
 
         return LocalTransport(name)
     from kvxferd.transport import FaultInjector, NixlTransport
 
-    injector = FaultInjector() if config.fault_injection else None
-    return NixlTransport(name, progress_thread=config.nixl_progress_thread, fault_injector=injector)
+    if injector is None and config.fault_injection:
+        injector = FaultInjector()
+    with _ucx_devices(config):
+        return NixlTransport(name, progress_thread=config.nixl_progress_thread, fault_injector=injector)
+
+
+@contextlib.contextmanager
+def _ucx_devices(config: Config) -> Iterator[None]:
+    """UCX's TCP transport listens on every network device it finds, whatever peer_listen says:
+    a daemon kept on loopback would still expose its data path on the node's NICs. Unless the
+    operator picked devices (UCX_NET_DEVICES), a loopback-only daemon keeps UCX on `lo` too.
+    UCX reads the variable when the agent is created; it is restored afterwards so in-process
+    daemons (tests) do not leak it into each other or into processes they start."""
+    host = config.peer_listen.rpartition(":")[0].strip("[]")
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if "UCX_NET_DEVICES" in os.environ or not loopback:
+        yield
+        return
+    os.environ["UCX_NET_DEVICES"] = "lo"
+    try:
+        yield
+    finally:
+        os.environ.pop("UCX_NET_DEVICES", None)
+
+
+FAULT_CONTROL_SUFFIX = ".faults"
+
+
+async def _fault_control(path: str, injector: FaultInjector) -> None:
+    """Test-only (fault_injection = true): writing N to `<socket>.faults` makes the next N NIXL
+    posts end in ERROR, so tests can fail a transfer inside a subprocess daemon. The file sits
+    next to the socket, in a directory only the daemon's user can write; the hook does not exist
+    unless fault_injection is on."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)  # a leftover of an earlier run must not fire now
+    while True:
+        await asyncio.sleep(0.05)
+        try:
+            with open(path) as fh:
+                text = fh.read()
+            os.unlink(path)
+        except FileNotFoundError:
+            continue
+        try:
+            n = int(text.strip())
+        except ValueError:
+            logger.warning("fault injection: %s must hold a count, got %r", path, text[:40])
+            continue
+        injector.fail_next(n)
+        logger.warning("fault injection: the next %d NIXL transfer(s) will end in ERROR", n)
 
 
 def _prepare_socket(path: str) -> None:
@@ -164,8 +222,13 @@ async def serve(
     servers: list[grpc.aio.Server] = []
     metrics_server: asyncio.AbstractServer | None = None
     try:
+        injector: FaultInjector | None = None
         try:
-            transport = make_transport(config, f"kvxferd-{instance}")
+            if config.fault_injection and config.transport == "nixl":
+                from kvxferd.transport import FaultInjector
+
+                injector = FaultInjector()
+            transport = make_transport(config, f"kvxferd-{instance}", injector)
             transport.register_region(pool.base_addr, pool.size, "DRAM", 0)
         except Exception as exc:
             raise StartupError(f"cannot start the NIXL agent: {exc}") from exc
@@ -193,7 +256,13 @@ async def serve(
         reflection.enable_server_reflection((PEER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), peer_server)
 
         _prepare_socket(config.socket)
-        _bind(engine_server, f"unix:{config.socket}", None, "engine API socket")
+        # Created private (umask) so no other user can connect in the moment before the chmod
+        # below sets the configured mode.
+        old_umask = os.umask(0o177)
+        try:
+            _bind(engine_server, f"unix:{config.socket}", None, "engine API socket")
+        finally:
+            os.umask(old_umask)
         engine_tcp = ""
         creds = _server_credentials(config)
         if config.listen:
@@ -209,7 +278,10 @@ async def serve(
         os.chmod(config.socket, config.socket_mode)
         if config.socket_group:
             try:
-                os.chown(config.socket, -1, grp.getgrnam(config.socket_group).gr_gid)
+                gid = grp.getgrnam(config.socket_group).gr_gid
+                os.chown(config.socket, -1, gid)
+                # Engines of that group must also map the host pool their rings live in.
+                os.chown(pool.path, -1, gid)
             except (KeyError, PermissionError) as exc:
                 raise StartupError(f"cannot give the socket to group {config.socket_group!r}: {exc}") from exc
         metrics_port = -1
@@ -228,6 +300,9 @@ async def serve(
         for svc in ("", ENGINE_SERVICE, PEER_SERVICE):
             await health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
         sweeper = asyncio.ensure_future(_sweep(node))
+        if injector is not None:
+            faults = asyncio.ensure_future(_fault_control(config.socket + FAULT_CONTROL_SUFFIX, injector))
+            sweeper.add_done_callback(lambda _: faults.cancel())
         logger.info(
             "kvxferd %s serving: daemon %s, socket %s, peer %s, metrics %s:%d, pool %d MiB",
             __version__, node.daemon_id, config.socket, node.address, config.metrics_host, metrics_port,
@@ -263,6 +338,11 @@ async def serve(
             await health_servicer.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
         t0 = time.monotonic()
         while (node.active_rooms() or workers.in_flight) and time.monotonic() - t0 < config.drain_grace_s:
+            await asyncio.sleep(0.02)
+        # Engines learn a room's outcome by polling it: a short linger (inside the grace) lets
+        # them read SUCCESS/FAILED of the last rooms instead of finding the socket closed.
+        linger_until = min(t0 + config.drain_grace_s, time.monotonic() + DRAIN_LINGER_S)
+        while node.unread_rooms() and time.monotonic() < linger_until:
             await asyncio.sleep(0.02)
         left = node.active_rooms()
         if left:

@@ -40,8 +40,8 @@ def _serve(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     import grpc
     from google.protobuf.json_format import MessageToDict
-    from kvxfer_client._pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc
 
+    from kvxfer_client._pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc
     from kvxferd.config import _default_socket
 
     path = args.socket or os.environ.get("KVXFERD_SOCKET") or _default_socket()

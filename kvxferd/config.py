@@ -142,6 +142,9 @@ def _valid_hostport(value: str) -> bool:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit():
         return False
+    # An IPv6 host must be bracketed; "1.2.3.4:5:6" would otherwise go to a resolver as a name.
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        return False
     return 0 <= int(port) <= 65535
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from kvxferd import __version__
-from kvxferd.config import Config
+from kvxferd.config import Config, _valid_hostport
 from kvxferd.domain import (
     ChunkSpec,
     DaemonRef,
@@ -56,6 +56,7 @@ MAX_AUX_BYTES = 64 << 10
 MAX_TOKENS = 1 << 24
 FINISHED_ROOM_TTL_S = 60.0
 QUARANTINE_S = 30.0
+MAX_TOMBSTONES = 65536
 NOTIF_PREFIX = b"kvx1"
 BOOTSTRAP_RETRY_S = 5.0
 _PEER_DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
@@ -158,7 +159,12 @@ class Node:
         self._tasks: set[asyncio.Task[None]] = set()
         # Engines gone whose rings still have slots a transfer may touch.
         self._closing_rings: list[Engine] = []
+        # room id -> (key, code, reason, expiry): rooms the decode side failed before we had them.
+        self._tombstones: dict[int, tuple[RoomKey, FailureCode, str, float]] = {}
         self._metrics_pending = False
+        # Bumped when memory is registered with NIXL after start (GPU rings): peers must get
+        # our metadata again before they can WRITE into it (PeerManager.connect re-handshakes).
+        self.md_epoch = 0
 
     # ------------------------------------------------------------------ helpers
 
@@ -247,6 +253,7 @@ class Node:
             if cuda_importer is None:
                 raise FailedPrecondition("this daemon cannot import CUDA IPC rings (no CUDA available)")
             ring = cuda_importer(spec)
+            self.md_epoch += 1
         else:
             if spec.ring_bytes <= 0:
                 raise InvalidArgument("ring_bytes must be positive for a host ring")
@@ -326,6 +333,18 @@ class Node:
             rroom = self.recv_rooms.get(rid)
             if rroom is not None:
                 self.fail_recv_room(rroom, code, f"{reason} (decode rank {eng.rank})")
+        # Rooms of its group that this rank had not joined yet (bootstrapped by the decode side
+        # before the first chunk, or expected by other decode ranks first) can never get its
+        # part now: fail them too, or they would wait for their deadline.
+        group = eng.spec.group
+        for sroom in list(self.send_rooms.values()):
+            if (eng.role is Role.PREFILL and sroom.group == group and not sroom.finished
+                    and eng.rank not in sroom.writers):
+                self.fail_send_room(sroom, code, f"{reason} (prefill rank {eng.rank}, before its first chunk)")
+        for rroom in list(self.recv_rooms.values()):
+            if (not rroom.finished and eng.rank not in rroom.readers and eng.role is Role.DECODE
+                    and any(rs.engine.spec.group == group for rs in rroom.readers.values())):
+                self.fail_recv_room(rroom, code, f"{reason} (decode rank {eng.rank}, before it expected the room)")
         for off in list(eng.acquired):
             eng.ring.alloc.free(off)
         eng.acquired.clear()
@@ -367,9 +386,22 @@ class Node:
 
     # ------------------------------------------------------------------ prefill: slots and chunks
 
+    def _owes_chunks(self, eng: Engine) -> bool:
+        """Does an unfinished room still wait for chunks from this engine's rank?"""
+        for room in self.send_rooms.values():
+            if room.finished or room.group != eng.spec.group:
+                continue
+            w = room.writers.get(eng.rank)
+            if w is None or (w.engine is eng and w.last_id is None):
+                return True
+        return False
+
     def acquire_slot(self, engine_id: str, num_tokens: int) -> tuple[SlotRef, int]:
-        self._require_serving()
         eng = self._engine(engine_id, Role.PREFILL)
+        # Draining refuses new rooms (EnqueueChunk), but rooms already under way get their
+        # grace period only if their remaining chunks can still get slots.
+        if not self.serving and not self._owes_chunks(eng):
+            raise Unavailable("daemon is draining and accepts no new work")
         if eng.spec.zero_copy:
             raise FailedPrecondition("zero-copy engines address chunks by pages; they have no slots")
         if not 1 <= num_tokens <= MAX_TOKENS:
@@ -475,6 +507,10 @@ class Node:
         room = self.send_rooms.get(key.id)
         if (room is None or room.key.generation < key.generation) and not self.serving:
             raise Unavailable("daemon is draining and accepts no new rooms")
+        if room is None or room.key.generation < key.generation:
+            dead = self._tombstones.get(key.id)
+            if dead is not None and dead[0] == key and dead[3] > time.monotonic():
+                raise FailedPrecondition(f"room {key} is FAILED ({dead[1].name}) on the decode side: {dead[2]}")
         room = self._send_room_for(key, eng.spec.group, create=True)
         assert room is not None
         if room.finished:
@@ -685,7 +721,7 @@ class Node:
             self._check_pages(eng, pages, num_tokens, "ExpectRoom")
         elif pages:
             raise InvalidArgument("pages are only for zero-copy engines")
-        if not prefill_address or ":" not in prefill_address:
+        if not _valid_hostport(prefill_address):
             raise InvalidArgument("prefill_address must be HOST:PORT of the prefill daemon's peer service")
         if not prefill_group:
             raise InvalidArgument("prefill_group must name the prefill engines' group")
@@ -748,6 +784,16 @@ class Node:
                 if exc.code() == grpc.StatusCode.NOT_FOUND and time.monotonic() < retry_until and not room.finished:
                     await asyncio.sleep(0.1)
                     continue
+                # The prefill daemon has us down (it lost our heartbeats, or thinks we restarted)
+                # while we still see it up: handshake again instead of failing every room until
+                # its next heartbeat notices.
+                if (exc.code() == grpc.StatusCode.FAILED_PRECONDITION and "handshake" in (exc.details() or "")
+                        and room.peer is not None and time.monotonic() < retry_until and not room.finished):
+                    try:
+                        await room.peer.handshake(force=True)
+                        continue
+                    except Exception as hs_exc:
+                        logger.info("room %s: re-handshake with %s failed: %s", room.key, room.prefill_address, hs_exc)
                 code = FailureCode.PEER_LOST if exc.code() in _PEER_DOWN else FailureCode.MISMATCH
                 self.fail_recv_room(
                     room, code, f"bootstrap with {room.prefill_address} failed: {exc.code().name}: {exc.details()}",
@@ -771,6 +817,9 @@ class Node:
         if rs is None:
             return
         rs.bootstrapped = True
+        if rs.alloc_early and room.peer is not None:
+            # An AllocSlot overtook the Bootstrap reply and was told to wait: ask again now.
+            self.spawn(room.peer.push_watermark(rs.engine.id, rs.engine.ring.alloc.watermark()), "bootstrap nudge")
         all_ready = len(room.readers) == room.decode_tp and all(r.bootstrapped for r in room.readers.values())
         if all_ready and room.advance(RoomState.WAITING_FOR_INPUT):
             logger.info("room %s: decode side bootstrapped (prefill tp %d)", room.key, prefill_tp)
@@ -793,8 +842,14 @@ class Node:
         if room.peer is None or room.peer.daemon_id != sender.daemon_id:
             raise PermissionDenied(f"room {key} is not bootstrapped with daemon {sender.daemon_id!r}")
         rs = room.readers.get(reader)
-        if rs is None or not rs.bootstrapped or room.plan is None or room.layout is None:
+        if rs is None:
             raise FailedPrecondition(f"room {key}: reader {reader} is not bootstrapped")
+        if not rs.bootstrapped or room.plan is None or room.layout is None:
+            # Our Bootstrap went out and the prefill side answered it, but its AllocSlot can
+            # overtake that answer: not an error, a slot it may ask for again (we nudge it once
+            # the answer is in, see _bootstrap_reader).
+            rs.alloc_early = True
+            return None
         assert room.num_tokens is not None
         if not 0 <= chunk_id < MAX_CHUNK_ID:
             raise InvalidArgument(f"chunk_id {chunk_id} out of range")
@@ -962,6 +1017,15 @@ class Node:
             self.fail_send_room(sroom, code, f"decode side: {reason}", push=False)
             # The decode side still needs to hear when our writes have stopped.
             self._maybe_quiesce(sroom)
+        elif (sroom is None or sroom.key.generation < key.generation) and (rroom is None or rroom.key != key):
+            # The decode side gave up on a room before any prefill rank sent a chunk (its deadline,
+            # an abort): remember it, or the first chunk would open a room nobody bootstraps,
+            # holding the engine's slots until our own deadline.
+            now = time.monotonic()
+            if len(self._tombstones) >= MAX_TOMBSTONES:
+                for rid in [r for r, t in self._tombstones.items() if t[3] < now] or list(self._tombstones)[:1024]:
+                    del self._tombstones[rid]
+            self._tombstones[key.id] = (key, code, reason, now + FINISHED_ROOM_TTL_S)
 
     def peer_lost(self, peer: PeerHandle, reason: str) -> None:
         for sroom in list(self.send_rooms.values()):
@@ -976,11 +1040,21 @@ class Node:
                 else:
                     self.fail_recv_room(rroom, FailureCode.PEER_LOST, reason, push=False)
 
+    def _free_released_reader(self, room: RecvRoom, rs: ReaderState) -> None:
+        """A reader done with a room (released, or the room forgotten) gives back the slots it
+        never watermarked; unlanded ones stay quarantined until no write can land there."""
+        for slot in rs.slots.values():
+            if slot.landed or room.quiesced:
+                self._free_in_slot(rs, slot)
+
     def _forget_recv_room(self, room: RecvRoom) -> None:
         if self.recv_rooms.get(room.key.id) is room:
             del self.recv_rooms[room.key.id]
         for rs in room.readers.values():
             rs.engine.recv_rooms.discard(room.key.id)
+            # Without this a SUCCESS room released (or collected) before every chunk was
+            # watermarked would hold its slots for ever.
+            self._free_released_reader(room, rs)
         self._cancel_timers(room)
 
     # ------------------------------------------------------------------ both sides
@@ -1032,6 +1106,7 @@ class Node:
             rs = room.readers[eng.rank]
             rs.released = True
             eng.recv_rooms.discard(key.id)
+            self._free_released_reader(room, rs)
             if all(r.released for r in room.readers.values()):
                 self._forget_recv_room(room)
         self.refresh_metrics()
@@ -1118,6 +1193,17 @@ class Node:
     def active_rooms(self) -> int:
         return sum(1 for r in self.send_rooms.values() if not r.finished) + sum(
             1 for r in self.recv_rooms.values() if not r.finished
+        )
+
+    def unread_rooms(self) -> int:
+        """Finished rooms that a live engine has not released yet (it may not know the outcome)."""
+        n = sum(
+            1 for r in self.send_rooms.values()
+            if r.finished and any(not w.engine.closing and r.key.id in w.engine.send_rooms for w in r.writers.values())
+        )
+        return n + sum(
+            1 for rr in self.recv_rooms.values()
+            if rr.finished and any(not rs.released and not rs.engine.closing for rs in rr.readers.values())
         )
 
     def fail_all(self, code: FailureCode, reason: str) -> None:

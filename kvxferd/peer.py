@@ -18,7 +18,7 @@ import grpc
 
 from kvxfer_client._pb.kvxfer.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 from kvxferd import __version__
-from kvxferd.config import Config
+from kvxferd.config import Config, _valid_hostport
 from kvxferd.convert import (
     daemon_ref,
     daemon_ref_pb,
@@ -68,6 +68,9 @@ class PeerHandle:
         self.agent_name = ""
         self.is_self = False
         self.up = False
+        # Node.md_epoch our last handshake carried: a GPU ring registered since is unknown to
+        # the peer's NIXL agent (a WRITE into it fails NOT_FOUND) until we send metadata again.
+        self.md_epoch_sent = -1
         self.last_ok = time.monotonic()
         self.bytes_sent = 0
         self._space = asyncio.Event()
@@ -91,15 +94,22 @@ class PeerHandle:
         ev, self._space = self._space, asyncio.Event()
         ev.set()
 
+    def answered(self) -> None:
+        """A reply to one of our requests proves the peer alive (both ways) as well as a heartbeat
+        answer does. Under load heartbeats queue behind that very traffic: counting only them
+        declared busy peers dead (seen in the soak at 2 s of heartbeat silence)."""
+        self.last_ok = time.monotonic()
+
     @property
     def _me(self) -> peer_pb2.DaemonRef:
         return daemon_ref_pb(self._m.node.ref)
 
     async def handshake(self, force: bool = True) -> None:
         async with self._lock:
-            if self.up and not force:
-                return
             node = self._m.node
+            if self.up and not force and self.md_epoch_sent == node.md_epoch:
+                return
+            epoch = node.md_epoch
             reply = await self.stub.Handshake(
                 peer_pb2.HandshakeRequest(
                     sender=self._me, agent_name=node.transport.name, nixl_metadata=node.transport.metadata(),
@@ -108,6 +118,7 @@ class PeerHandle:
                 timeout=CONTROL_TIMEOUT_S,
             )
             await self._m.adopt(self, daemon_ref(reply.sender), reply.agent_name, bytes(reply.nixl_metadata))
+            self.md_epoch_sent = epoch
 
     async def bootstrap(
         self, key: RoomKey, group: str, reader: int, decode_tp: int, lay: KVLayout, num_tokens: int,
@@ -121,6 +132,7 @@ class PeerHandle:
         if zero_copy is not None:
             req.zero_copy.CopyFrom(zero_copy_target_pb(zero_copy))
         reply = await self.stub.Bootstrap(req, timeout=CONTROL_TIMEOUT_S)
+        self.answered()
         return reply.prefill_tp, layout(reply.layout)
 
     async def alloc_slot(
@@ -133,6 +145,7 @@ class PeerHandle:
             ),
             timeout=CONTROL_TIMEOUT_S,
         )
+        self.answered()
         if not reply.granted:
             return None
         return reply.address, reply.length, reply.mem or "DRAM", reply.device
@@ -144,6 +157,7 @@ class PeerHandle:
             ),
             timeout=CONTROL_TIMEOUT_S,
         )
+        self.answered()
 
     async def abort(self, key: RoomKey, code: FailureCode, reason: str, quiesced: bool) -> None:
         try:
@@ -163,6 +177,7 @@ class PeerHandle:
                 peer_pb2.PeerWatermarkRequest(sender=self._me, ring=ring, watermark=watermark_pb(wm)),
                 timeout=CONTROL_TIMEOUT_S,
             )
+            self.answered()
         except grpc.aio.AioRpcError as exc:
             logger.info("watermark push to %s failed: %s", self.daemon_id, exc.code().name)
 
@@ -179,6 +194,7 @@ class PeerManager:
         self._by_address: dict[str, PeerHandle] = {}
         self._by_id: dict[str, PeerHandle] = {}
         self._task: asyncio.Task[None] | None = None
+        self._beats_in_flight: set[PeerHandle] = set()
 
     def all(self) -> list[PeerHandle]:
         return list(self._by_id.values())
@@ -196,8 +212,9 @@ class PeerManager:
     async def connect(self, address: str) -> PeerHandle:
         """A peer that is up and handshaken (handshaking now if needed)."""
         h = self._handle(address)
-        if not h.up:
-            # Many rooms may ask at once; one handshake serves them all.
+        if not h.up or (not h.is_self and h.md_epoch_sent != self.node.md_epoch):
+            # Many rooms may ask at once; one handshake serves them all. A GPU ring registered
+            # since the last one makes us send our metadata again before a room can use it.
             await h.handshake(force=False)
         return h
 
@@ -221,13 +238,15 @@ class PeerManager:
             # Same daemon reached by another address: keep one handle.
             if old.instance_id == ref.instance_id and old.up:
                 self._by_address[h.address] = old
+                await self._reload_metadata(old, metadata)
                 return
             self._lost(old, "peer restarted" if old.instance_id != ref.instance_id else "peer re-addressed")
             self._by_id.pop(ref.daemon_id, None)
         if h.up and h.instance_id == ref.instance_id and h.agent_name:
-            # A repeated handshake from the same process: its metadata is loaded and
-            # transfers may be using it; reloading would pull it from under them.
+            # A repeated handshake from the same process: never remove its entry (transfers
+            # may be using it), but load metadata that grew (a GPU ring registered since).
             h.last_ok = time.monotonic()
+            await self._reload_metadata(h, metadata)
             return
         if h.up and h.instance_id and h.instance_id != ref.instance_id:
             self._lost(h, f"peer {ref.daemon_id} restarted")
@@ -245,6 +264,19 @@ class PeerManager:
         self._by_id[ref.daemon_id] = h
         self._refresh()
         logger.info("peer %s (%s) is up, NIXL agent %s", ref.daemon_id, h.address, h.agent_name)
+
+    async def _reload_metadata(self, h: PeerHandle, metadata: bytes) -> None:
+        """Same live peer, metadata again: NIXL updates the loaded entry in place (same bytes: no-op).
+
+        Never fails the handshake: the old entry stays loaded, and a WRITE into memory it lacks
+        fails on its own with a clear error (a decode daemon never writes to its prefill peer).
+        """
+        if h.is_self or not h.agent_name:
+            return
+        try:
+            h.agent_name = await self._workers.run_blocking(self.node.transport.add_remote, metadata)
+        except Exception as exc:
+            logger.warning("reloading the NIXL metadata of %s failed; keeping the old: %s", h.daemon_id, exc)
 
     def _lost(self, h: PeerHandle, reason: str) -> None:
         if not h.up:
@@ -278,13 +310,32 @@ class PeerManager:
             await h.close()
 
     async def _heartbeats(self) -> None:
+        # Beats go out at a fixed rate, one in flight per peer, and silence is checked every
+        # eighth of an interval: a peer is lost within misses x interval (+ an eighth) of its
+        # last answer. Waiting for each round of beats (each may take a whole interval to time out
+        # when the network drops packets) before sleeping again stretched that to ~4 intervals.
         interval = self.config.heartbeat_interval_s
+        limit = self.config.heartbeat_misses * interval
+        beating: dict[PeerHandle, float] = {}  # handle -> when its next beat is due
         while True:
-            await asyncio.sleep(interval)
-            handles = {h for h in self._by_address.values() if not h.is_self}
-            await asyncio.gather(*(self._beat(h, interval) for h in handles), return_exceptions=True)
+            await asyncio.sleep(interval / 8)
+            now = time.monotonic()
+            for h in {h for h in self._by_address.values() if not h.is_self}:
+                if h not in self._beats_in_flight and now >= beating.get(h, 0.0):
+                    beating[h] = now + interval
+                    self._beats_in_flight.add(h)
+                    self.node.spawn(self._beat(h, interval), f"heartbeat {h.address}")
+                silent = now - h.last_ok
+                if h.up and silent >= limit:
+                    self._lost(h, f"no heartbeat answer for {silent:.1f} s")
 
     async def _beat(self, h: PeerHandle, interval: float) -> None:
+        try:
+            await self._beat_once(h, interval)
+        finally:
+            self._beats_in_flight.discard(h)
+
+    async def _beat_once(self, h: PeerHandle, interval: float) -> None:
         try:
             reply = await h.stub.Heartbeat(peer_pb2.HeartbeatRequest(sender=h._me), timeout=interval)
         except grpc.aio.AioRpcError as exc:
@@ -323,8 +374,15 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         ref = daemon_ref(request.sender)
         if not request.nixl_metadata or not request.agent_name:
             raise InvalidArgument("agent_name and nixl_metadata are required")
-        if not ref.address:
-            raise InvalidArgument("sender.address is required")
+        # This daemon dials the address back (heartbeats): only HOST:PORT, nothing a resolver
+        # would have to guess at (no bare names, no schemes).
+        if not _valid_hostport(ref.address):
+            raise InvalidArgument(f"sender.address must be HOST:PORT, got {ref.address[:100]!r}")
+        # Claiming the address of another daemon that is up would re-bind its handle (failing
+        # its rooms, pointing its NIXL agent elsewhere): only a daemon gone silent can be replaced.
+        known = self._m._by_address.get(ref.address)
+        if known is not None and known.up and known.daemon_id and known.daemon_id != ref.daemon_id:
+            raise PermissionDenied(f"{ref.address} belongs to daemon {known.daemon_id!r}, which is up")
         h = self._m._handle(ref.address)
         try:
             await self._m.adopt(h, ref, request.agent_name, bytes(request.nixl_metadata))

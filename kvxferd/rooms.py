@@ -155,6 +155,8 @@ class ReaderState:
     slots: dict[int, InSlot] = field(default_factory=dict)
     num_chunks: int | None = None
     released: bool = False
+    # An AllocSlot arrived before our Bootstrap reply did (the prefill side asks again when told).
+    alloc_early: bool = False
     # Zero-copy reader: destination pages of the room's tokens.
     pages: tuple[int, ...] = ()
 

@@ -13,6 +13,8 @@ import logging
 import zlib
 from typing import TYPE_CHECKING
 
+import grpc
+
 from kvxferd.domain import FailureCode
 from kvxferd.layout import HeadSlice, bytes_per_head
 from kvxferd.metrics import Metrics
@@ -36,10 +38,14 @@ class Scheduler:
         self._metrics = metrics
         self._admitted = 0
         self._waiting_slot = 0
+        # Label children looked up once: labels() costs several µs and runs per chunk.
+        self._q_admit = metrics.queue_depth.labels(queue="admit")
+        self._q_waiting = metrics.queue_depth.labels(queue="waiting_slot")
+        self._q_workers = metrics.queue_depth.labels(queue="workers")
 
     def submit(self, room: SendRoom, chunk: OutChunk) -> None:
         self._admitted += 1
-        self._metrics.queue_depth.labels(queue="admit").set(self._admitted)
+        self._q_admit.set(self._admitted)
         self._node.spawn(self._run(room, chunk), f"chunk {room.key}/{chunk.spec.chunk_id}")
 
     def room_failed(self, room: SendRoom) -> None:
@@ -70,7 +76,7 @@ class Scheduler:
             self._node.fail_send_room(room, FailureCode.TRANSFER_ERROR, f"internal error scheduling a chunk: {exc!r}")
         finally:
             self._admitted -= 1
-            self._metrics.queue_depth.labels(queue="admit").set(self._admitted)
+            self._q_admit.set(self._admitted)
             if chunk.parts_pending == 0 and chunk.in_flight == 0:
                 self._node.writer_chunk_done(room, chunk)
 
@@ -110,9 +116,16 @@ class Scheduler:
                         room.key, spec.chunk_id, reader, spec.token_start, spec.num_tokens, spec.last
                     )
                 except Exception as exc:
+                    # "CODE: details", not the RPC error's multi-line repr: both sides show it.
+                    code: grpc.StatusCode | None = None
+                    why = repr(exc)
+                    if isinstance(exc, grpc.aio.AioRpcError):
+                        code = exc.code()
+                        why = f"{code.name}: {exc.details()}"
+                    lost = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
                     self._node.fail_send_room(
-                        room, FailureCode.PEER_LOST if "UNAVAILABLE" in str(exc) else FailureCode.MISMATCH,
-                        f"destination slot for chunk {spec.chunk_id} reader {reader}: {exc}",
+                        room, FailureCode.PEER_LOST if lost else FailureCode.MISMATCH,
+                        f"destination slot for chunk {spec.chunk_id} reader {reader}: {why}",
                     )
                     return
                 if got is not None:
@@ -122,7 +135,7 @@ class Scheduler:
                 if not waiting:
                     waiting = True
                     self._waiting_slot += 1
-                    self._metrics.queue_depth.labels(queue="waiting_slot").set(self._waiting_slot)
+                    self._q_waiting.set(self._waiting_slot)
                 try:
                     await asyncio.wait_for(space.wait(), _SLOT_RETRY_S)
                 except asyncio.TimeoutError:
@@ -130,7 +143,7 @@ class Scheduler:
         finally:
             if waiting:
                 self._waiting_slot -= 1
-                self._metrics.queue_depth.labels(queue="waiting_slot").set(self._waiting_slot)
+                self._q_waiting.set(self._waiting_slot)
             if not fut.done():
                 fut.cancel()
 
@@ -211,7 +224,7 @@ class Scheduler:
         room.in_flight += len(jobs)
         for job in jobs:
             self._workers.submit(job, shard)
-        self._metrics.queue_depth.labels(queue="workers").set(self._workers.in_flight)
+        self._q_workers.set(self._workers.in_flight)
 
     def _on_done(self, job: TransferJob, state: XferState, error: str) -> None:
         room, chunk = job.tag
@@ -219,7 +232,7 @@ class Scheduler:
         chunk.parts_pending -= 1
         room.in_flight -= 1
         peer = room.peer
-        self._metrics.queue_depth.labels(queue="workers").set(self._workers.in_flight)
+        self._q_workers.set(self._workers.in_flight)
         if state is XferState.DONE:
             path = "local" if peer.is_self else "nixl"
             self._metrics.transfer_bytes.labels(peer=peer.daemon_id, path=path).inc(job.nbytes)

@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
-from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
+from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from kvxferd import errors
 from kvxferd.convert import chunk_spec, engine_spec, room_event_pb, room_key, room_status_pb, watermark_pb
 from kvxferd.domain import Role, SlotRef

@@ -1,0 +1,57 @@
+"""The benchmark commands in --quick mode (what CI can afford): every path produced numbers and
+every byte check ran and passed. No performance target is asserted here."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from kvxferd.bench import loopback, rpc
+
+pytestmark = pytest.mark.timeout(420)  # a loaded 2-core machine: ~60-120 s each when quiet
+
+
+def _positive(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def test_loopback_quick_every_path_measured_and_checked(tmp_path: Path) -> None:
+    out = tmp_path / "loopback.json"
+    png = tmp_path / "loopback.png"
+    rc = loopback.main(["--quick", "--json", str(out), "--plot", str(png), "--keep-logs"])
+    result = json.loads(out.read_text())
+    assert rc == 0, result["failures"]
+    ratios = result["ratios"]
+    assert ratios["bytes_verified"] is True
+    for key in ("kvxferd_over_raw_nixl", "p99_over_p50_at_64", "mixed_tp_over_same_tp", "per_token_slowdown"):
+        assert _positive(ratios[key]), (key, ratios[key])
+    if ratios["kvxferd_over_mooncake"] is None:
+        assert ratios["kvxferd_over_mooncake_reason"]
+    else:
+        assert _positive(ratios["kvxferd_over_mooncake"])
+    paths = {p["path"] for p in result["points"]}
+    assert {"raw_nixl", "kvxferd", "blocking", "kvxferd_tp4to2", "kvxferd_tp1to4",
+            "per_token_tp4to2", "per_token_tp1to4"} <= paths
+    for p in result["points"]:
+        assert p["ok"], p["errors"]
+        assert _positive(p["throughput_gbps"]) and _positive(p["latency_ms"]["p50"])
+        assert p["stamps_checked"] > 0, p["path"]
+    verified = {v["path"] for v in result["verification"]}
+    assert {"kvxferd", "kvxferd_tp4to2", "kvxferd_tp1to4", "raw_nixl", "per_token_tp4to2"} <= verified
+    assert all(v["ok"] and v["bytes_checked"] > 0 for v in result["verification"])
+    assert result["machine"]["cores"] >= 1 and result["machine"]["versions"]["nixl"]
+    assert png.stat().st_size > 0 and (tmp_path / "loopback-cdf.png").stat().st_size > 0
+
+
+def test_rpc_quick_reports_latency_and_rates(tmp_path: Path) -> None:
+    out = tmp_path / "rpc.json"
+    assert rpc.main(["--quick", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for key in ("unary_p50_us", "unary_p99_us", "batched_chunks_per_s", "streaming_chunks_per_s"):
+        assert _positive(result[key]), (key, result[key])
+    assert result["errors"] == 0
+    assert "stubbed" in result["note"]
+    assert result["unary_paced"]["calls"] > 0

@@ -1,0 +1,398 @@
+"""Who may talk to a daemon: the engine socket's permissions (checked by connecting as other
+users), TLS and mutual TLS on the TCP listeners (certificates made here with `cryptography`), two
+daemons completing a room over mTLS while peers without a valid client certificate are refused,
+request size limits, and no listener on a non-loopback address unless configured.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import ipaddress
+import mmap
+import os
+import shutil
+import signal
+import socket
+import stat
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from kvxfer_client import DecodeReceiver, Layout, PrefillSender, RoomFailed
+from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
+from kvxferd.config import Config
+from tests.conftest import DaemonProc, spawn_daemon, wait_ready
+
+LAYOUT = Layout(num_layers=2, total_kv_heads=2, head_dim=16, dtype_bytes=2, page_size=16)
+NOBODY = 65534  # nobody / nogroup on Debian
+
+
+# --------------------------------------------------------------------------- other users
+
+
+def as_user(uid: int, gid: int, fn: Callable[[], int]) -> int:
+    """Runs fn in a forked child that dropped to uid/gid (supplementary groups: just gid) and
+    returns its exit code. A fork, not a new interpreter: this one lives under /root (0700)."""
+    pid = os.fork()
+    if pid == 0:  # child: no threads, no grpc; plain syscalls, then _exit
+        code = 98
+        try:
+            os.setgroups([gid])
+            os.setgid(gid)
+            os.setuid(uid)
+            code = fn()
+        except BaseException:
+            code = 99
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def connect_errno(path: str) -> Callable[[], int]:
+    def go() -> int:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(path)
+        except OSError as exc:
+            return exc.errno or 97
+        finally:
+            s.close()
+        return 0
+
+    return go
+
+
+def map_errno(path: str) -> Callable[[], int]:
+    """Opens and maps the host pool read-write, as an engine does."""
+
+    def go() -> int:
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            return exc.errno or 97
+        try:
+            mm = mmap.mmap(fd, 4096, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            mm.close()
+        finally:
+            os.close(fd)
+        return 0
+
+    return go
+
+
+def register(socket_path: str) -> engine_pb2.RegisterEngineReply:
+    with grpc.insecure_channel(f"unix:{socket_path}") as ch:
+        return engine_pb2_grpc.EngineStub(ch).RegisterEngine(engine_pb2.RegisterEngineRequest(
+            role=engine_pb2.ROLE_PREFILL, group="sec", layout=LAYOUT.to_pb(),
+            parallel=common_pb2.Parallelism(tp_size=1), ring_bytes=1 << 20, lease_ms=60_000,
+        ), timeout=10)
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="switching to other uids needs root (CI runs as root)")
+
+
+@dataclass
+class Fleet:
+    workdir: Path
+    d: dict[str, DaemonProc]
+
+
+@pytest.fixture(scope="module")
+def fleet(pki: Pki) -> Iterator[Fleet]:
+    """Every daemon these tests need, started at once (each spends seconds starting NIXL):
+    plain   default settings, but a 64 KiB request limit
+    grp     engine socket 0660 for group nogroup
+    tls     TLS on the peer service and a TCP engine listener, no client certificates
+    pre/dec mutual TLS (pre also has a TCP engine listener)
+    rogue   trusts our CA but presents a certificate of another CA."""
+    wd = Path(tempfile.mkdtemp(prefix="kvxs-"))
+    specs = {
+        "plain": ["--set", "max_message_bytes=65536"],
+        "grp": ["--set", "socket_mode=0o660", "--set", "socket_group=nogroup"],
+        "tls": ["--listen", "127.0.0.1:0", *pki.daemon_args(client_auth=False)],
+        "pre": ["--listen", "127.0.0.1:0", *pki.daemon_args(client_auth=True)],
+        "dec": pki.daemon_args(client_auth=True),
+        "rogue": pki.daemon_args(client_auth=True, rogue=True),
+    }
+    procs = {name: spawn_daemon(wd, name, *args, wait=False) for name, args in specs.items()}
+    try:
+        for p in procs.values():
+            wait_ready(p)
+        # Let everyone traverse the directory: only the sockets' own modes may stop them.
+        os.chmod(wd, 0o755)
+        yield Fleet(wd, procs)
+    finally:
+        for p in procs.values():  # all at once: each drains on its own
+            if p.proc.poll() is None:
+                p.proc.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            p.stop(timeout=30)
+        shutil.rmtree(wd, ignore_errors=True)
+
+
+@needs_root
+def test_engine_socket_and_pool_are_private_to_the_daemon_user(fleet: Fleet) -> None:
+    d = fleet.d["plain"]
+    st = os.stat(d.socket)
+    assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.geteuid()
+    pool = register(d.socket).pool_path
+    assert stat.S_IMODE(os.stat(pool).st_mode) == 0o600
+    assert as_user(NOBODY, NOBODY, connect_errno(d.socket)) == errno.EACCES
+    assert as_user(NOBODY, NOBODY, map_errno(pool)) == errno.EACCES
+    assert as_user(os.geteuid(), os.getegid(), connect_errno(d.socket)) == 0  # the probe itself works
+
+
+@needs_root
+def test_socket_group_lets_its_members_in_and_nobody_else(fleet: Fleet) -> None:
+    d = fleet.d["grp"]
+    st = os.stat(d.socket)
+    assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == NOBODY
+    pool = register(d.socket).pool_path
+    pst = os.stat(pool)
+    assert stat.S_IMODE(pst.st_mode) == 0o660 and pst.st_gid == NOBODY, "engines of the group could not map the pool"
+    # A member of the group (uid nobody, gid nogroup) may connect and map the pool ...
+    assert as_user(NOBODY, NOBODY, connect_errno(d.socket)) == 0
+    assert as_user(NOBODY, NOBODY, map_errno(pool)) == 0
+    # ... a user outside it may do neither.
+    assert as_user(54321, 54321, connect_errno(d.socket)) == errno.EACCES
+    assert as_user(54321, 54321, map_errno(pool)) == errno.EACCES
+
+
+# --------------------------------------------------------------------------- certificates
+
+
+@dataclass(frozen=True)
+class Pki:
+    ca: Path
+    cert: Path
+    key: Path
+    rogue_ca: Path
+    rogue_cert: Path  # signed by the rogue CA, same names as `cert`
+    rogue_key: Path
+
+    def read(self, *paths: Path) -> list[bytes]:
+        return [p.read_bytes() for p in paths]
+
+    def daemon_args(self, client_auth: bool, rogue: bool = False) -> list[str]:
+        cert, key = (self.rogue_cert, self.rogue_key) if rogue else (self.cert, self.key)
+        return ["--set", f"tls_cert={cert}", "--set", f"tls_key={key}", "--set", f"tls_ca={self.ca}",
+                "--set", f"tls_client_auth={'true' if client_auth else 'false'}"]
+
+
+def _name(cn: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def _ca(cn: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(_name(cn)).public_key(key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
+                                     key_encipherment=False, data_encipherment=False, key_agreement=False,
+                                     encipher_only=False, decipher_only=False), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    return key, cert
+
+
+def _leaf(ca_key: ec.EllipticCurvePrivateKey, ca: x509.Certificate, cn: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    """One certificate per daemon, for both sides of peer channels (server and client auth)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(ca.subject).public_key(key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                    x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                       critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    return key, cert
+
+
+def _write(path: Path, key: ec.EllipticCurvePrivateKey | None = None, cert: x509.Certificate | None = None) -> Path:
+    if key is not None:
+        path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+        path.chmod(0o600)
+    if cert is not None:
+        path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return path
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    d = tmp_path_factory.mktemp("pki")
+    ca_key, ca = _ca("kvxferd test CA")
+    key, cert = _leaf(ca_key, ca, "kvxferd-node")
+    rca_key, rca = _ca("rogue CA")
+    rkey, rcert = _leaf(rca_key, rca, "kvxferd-node")
+    return Pki(_write(d / "ca.pem", cert=ca), _write(d / "node.pem", cert=cert), _write(d / "node.key", key=key),
+               _write(d / "rogue-ca.pem", cert=rca), _write(d / "rogue.pem", cert=rcert),
+               _write(d / "rogue.key", key=rkey))
+
+
+# --------------------------------------------------------------------------- TLS listeners
+
+
+def engine_status(target: str, creds: grpc.ChannelCredentials | None) -> grpc.StatusCode:
+    ch = grpc.secure_channel(target, creds) if creds else grpc.insecure_channel(target)
+    with ch:
+        try:
+            engine_pb2_grpc.EngineStub(ch).GetStatus(engine_pb2.GetStatusRequest(), timeout=5)
+        except grpc.RpcError as exc:
+            return exc.code()  # type: ignore[no-any-return]
+    return grpc.StatusCode.OK
+
+
+def peer_status(target: str, creds: grpc.ChannelCredentials | None) -> grpc.StatusCode:
+    """A Heartbeat with no sender: any application answer (INVALID_ARGUMENT) means we got in."""
+    ch = grpc.secure_channel(target, creds) if creds else grpc.insecure_channel(target)
+    with ch:
+        try:
+            peer_pb2_grpc.PeerStub(ch).Heartbeat(peer_pb2.HeartbeatRequest(), timeout=5)
+        except grpc.RpcError as exc:
+            return exc.code()  # type: ignore[no-any-return]
+    return grpc.StatusCode.OK
+
+
+def creds(pki: Pki, root: Path | None = None, client: tuple[Path, Path] | None = None) -> grpc.ChannelCredentials:
+    kw: dict[str, Any] = {"root_certificates": (root or pki.ca).read_bytes()}
+    if client is not None:
+        kw["certificate_chain"], kw["private_key"] = client[0].read_bytes(), client[1].read_bytes()
+    return grpc.ssl_channel_credentials(**kw)
+
+
+IN = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT}
+REFUSED = grpc.StatusCode.UNAVAILABLE
+
+
+def test_tls_on_engine_and_peer_listeners(fleet: Fleet, pki: Pki) -> None:
+    d = fleet.d["tls"]
+    engine_tcp = str(d.info["engine_tcp"])
+    assert engine_tcp.startswith("127.0.0.1:")
+    for target, call in ((engine_tcp, engine_status), (d.peer_address, peer_status)):
+        assert call(target, None) == REFUSED, f"plaintext accepted on {target}"
+        assert call(target, creds(pki, root=pki.rogue_ca)) == REFUSED, "a client trusted a certificate it should not"
+        assert call(target, creds(pki)) in IN, f"TLS client refused on {target}"
+    # The Unix socket stays plaintext (local, guarded by file permissions).
+    assert engine_status(f"unix:{d.socket}", None) == grpc.StatusCode.OK
+
+
+def test_mutual_tls_refuses_clients_without_a_valid_certificate(fleet: Fleet, pki: Pki) -> None:
+    d = fleet.d["pre"]
+    for target, call in ((str(d.info["engine_tcp"]), engine_status), (d.peer_address, peer_status)):
+        assert call(target, None) == REFUSED
+        assert call(target, creds(pki)) == REFUSED, "no client certificate, yet accepted"
+        assert call(target, creds(pki, client=(pki.rogue_cert, pki.rogue_key))) == REFUSED, "rogue client certificate accepted"
+        assert call(target, creds(pki, client=(pki.cert, pki.key))) in IN
+
+
+def test_two_daemons_with_mutual_tls_complete_a_room_and_refuse_a_rogue_peer(fleet: Fleet) -> None:
+    # rogue trusts the real CA (so it accepts pre's server certificate) but presents a
+    # certificate of another CA: only the client-certificate check can stop it. plain has no TLS.
+    pre, dec, rogue, plain = (fleet.d[n] for n in ("pre", "dec", "rogue", "plain"))
+    chunks = [bytes([i + 1]) * (16 * 256) for i in range(3)]
+    with PrefillSender(socket=pre.socket, group="g", layout=LAYOUT, ring_bytes=1 << 20) as tx, \
+            DecodeReceiver(socket=dec.socket, group="gd", layout=LAYOUT, ring_bytes=1 << 20) as rx:
+        rx.expect(1, pre.peer_address, "g", 48)
+        for i, data in enumerate(chunks):
+            tx.send_chunk(1, i, 16 * i, 16, data, last=i == 2, aux=b"mtls" if i == 2 else b"")
+        got, st = rx.receive(1, timeout=30)
+        assert [got[i] for i in range(3)] == chunks and st.aux == b"mtls"
+        tx.wait(1, timeout=10)
+        for bad in (rogue, plain):
+            with DecodeReceiver(socket=bad.socket, group="gd", layout=LAYOUT, ring_bytes=1 << 20) as brx:
+                brx.expect(2, pre.peer_address, "g", 16)
+                with pytest.raises(RoomFailed) as ei:
+                    brx.receive(2, timeout=30)
+                assert ei.value.failure_code in ("PEER_LOST", "MISMATCH") and "bootstrap" in ei.value.reason, ei.value
+    with grpc.insecure_channel(f"unix:{pre.socket}") as ch:
+        st = engine_pb2_grpc.EngineStub(ch).GetStatus(engine_pb2.GetStatusRequest(), timeout=5)
+    assert {p.daemon_id for p in st.peers} == {"dec"}, "a peer without a valid certificate got in"
+
+
+# --------------------------------------------------------------------------- size limits and bind addresses
+
+
+def test_request_size_limit_is_enforced_on_both_services(fleet: Fleet) -> None:
+    d = fleet.d["plain"]
+    big = b"x" * (100 << 10)
+    with grpc.insecure_channel(f"unix:{d.socket}") as ch:
+        stub = engine_pb2_grpc.EngineStub(ch)
+        with pytest.raises(grpc.RpcError) as ei:
+            stub.EnqueueChunks(engine_pb2.EnqueueChunksRequest(chunks=[engine_pb2.EnqueueChunkRequest(aux=big)]), timeout=5)
+        assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # Just under the limit is read and judged on its content.
+        with pytest.raises(grpc.RpcError) as ei:
+            stub.RegisterEngine(engine_pb2.RegisterEngineRequest(name="n" * (60 << 10)), timeout=5)
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with grpc.insecure_channel(d.peer_address) as ch:
+        with pytest.raises(grpc.RpcError) as ei:
+            peer_pb2_grpc.PeerStub(ch).Handshake(peer_pb2.HandshakeRequest(nixl_metadata=big), timeout=5)
+        assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert engine_status(f"unix:{d.socket}", None) == grpc.StatusCode.OK
+    assert d.proc.poll() is None
+
+
+def _listening(pid: int) -> list[tuple[str, str, int]]:
+    """(proto, local address, port) of every TCP listener and bound UDP socket of a process."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    out = []
+    for proto in ("tcp", "tcp6", "udp", "udp6"):
+        for line in Path(f"/proc/{pid}/net/{proto}").read_text().splitlines()[1:]:
+            f = line.split()
+            local, state, inode = f[1], f[3], f[9]
+            if inode not in inodes or (proto.startswith("tcp") and state != "0A"):
+                continue
+            hexaddr, hexport = local.split(":")
+            raw = bytes.fromhex(hexaddr)
+            # /proc prints addresses as host-order 32-bit words.
+            words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            out.append((proto, str(ipaddress.ip_address(words)), int(hexport, 16)))
+    return out
+
+
+def _loopback(addr: str) -> bool:
+    ip = ipaddress.ip_address(addr)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
+def test_no_listener_on_a_non_loopback_address_by_default(fleet: Fleet) -> None:
+    defaults = Config()
+    assert defaults.peer_listen.startswith("127.0.0.1:") and defaults.metrics_host == "127.0.0.1"
+    assert defaults.listen == "" and not defaults.tls_client_auth
+    # Every port the daemon opens, its own and those of the libraries it loads (gRPC, UCX);
+    # tests.conftest.spawn_daemon keeps the defaults but for ephemeral ports (and metrics on).
+    d = fleet.d["plain"]
+    socks = _listening(d.proc.pid)
+    assert any(port == int(d.peer_address.rpartition(":")[2]) for _, _, port in socks)
+    exposed = [s for s in socks if not _loopback(s[1])]
+    assert not exposed, f"listening beyond loopback: {exposed}"
