@@ -45,6 +45,8 @@ class Transport(Protocol):
     def deregister_region(self, addr: int) -> None: ...
 
     def metadata(self) -> bytes: ...
+    def metadata_update(self) -> list[bytes]: ...
+    def load_update(self, name: str, blob: bytes) -> None: ...
 
     def add_remote(self, metadata: bytes) -> str: ...
 
@@ -267,6 +269,34 @@ class NixlTransport:
             self._check_open()
             return bytes(self._agent.get_agent_metadata())
 
+    def metadata_update(self) -> list[bytes]:
+        """Every current registration without connection info, one blob per memory type.
+
+        A peer that already loaded our full metadata cannot load it again (NIXL answers
+        NOT_ALLOWED for a live agent), but it can load these to learn regions added since.
+        """
+        with self._ctl:
+            self._check_open()
+            by_mem: dict[str, list[tuple[int, int, int, str]]] = {}
+            for addr, (_, length, mem, device) in self._regions.items():
+                by_mem.setdefault(mem, []).append((addr, length, device, ""))
+            out = []
+            for mem, descs in sorted(by_mem.items()):
+                regs = self._agent.get_reg_descs(descs, mem)
+                out.append(bytes(self._agent.get_partial_agent_metadata(regs, inc_conn_info=False)))
+            return out
+
+    def load_update(self, name: str, blob: bytes) -> None:
+        """Loads a metadata_update() blob of a peer whose full metadata is already loaded."""
+        with self._ctl:
+            self._check_open()
+            if name not in self._remotes:
+                raise TransportError(f"peer {name} is not loaded; load its full metadata first")
+            try:
+                self._agent.add_remote_agent(blob)
+            except Exception as exc:
+                raise TransportError(f"loading a registration update of {name} failed: {exc}") from exc
+
     def add_remote(self, metadata: bytes) -> str:
         """Loads a peer's metadata; returns its agent name. Re-adding replaces the old entry.
 
@@ -448,6 +478,13 @@ class LocalTransport:
 
     def metadata(self) -> bytes:
         return b"kvxferd-local|" + self._token
+
+    def metadata_update(self) -> list[bytes]:
+        # In-process peers see every registration directly.
+        return []
+
+    def load_update(self, name: str, blob: bytes) -> None:
+        return None
 
     def add_remote(self, metadata: bytes) -> str:
         if not metadata.startswith(b"kvxferd-local|"):

@@ -468,3 +468,40 @@ def test_raw_nixl_pattern_and_arguments() -> None:
     for bad in ((0, 1, 1), (1, 0, 1), (1, 1, 0)):
         with pytest.raises(ValueError):
             run_raw_nixl(*bad)
+
+
+def test_region_registered_after_handshake_reaches_peer_through_update() -> None:
+    """NIXL refuses to reload a live agent's full metadata; the partial update must teach the
+    peer a region registered after the first handshake (a GPU ring of a new engine)."""
+    import numpy as np
+
+    from kvxferd.transport import NixlTransport, TransportError, XferState
+
+    a, b = NixlTransport("upd-a"), NixlTransport("upd-b")
+    src = np.full(1 << 16, 7, dtype=np.uint8)
+    first = np.zeros(1 << 16, dtype=np.uint8)
+    late = np.zeros(1 << 16, dtype=np.uint8)
+    try:
+        a.register_region(src.ctypes.data, src.nbytes)
+        b.register_region(first.ctypes.data, first.nbytes)
+        name = a.add_remote(b.metadata())
+        b.register_region(late.ctypes.data, late.nbytes)
+        with pytest.raises(TransportError):
+            a.post_write(name, [(src.ctypes.data, late.ctypes.data, 4096)], b"x")
+        updates = b.metadata_update()
+        assert updates
+        for blob in updates:
+            a.load_update(name, blob)
+        h = a.post_write(name, [(src.ctypes.data, late.ctypes.data, 4096)], b"y")
+        deadline = time.monotonic() + 20
+        state = a.check(h)
+        while state is XferState.PENDING and time.monotonic() < deadline:
+            b.get_notifs()  # the receiver must progress for the first connection
+            time.sleep(0.001)
+            state = a.check(h)
+        assert state is XferState.DONE
+        assert (late[:4096] == 7).all() and (late[4096:] == 0).all()
+        a.release(h)
+    finally:
+        a.close()
+        b.close()
