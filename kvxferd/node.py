@@ -1007,7 +1007,11 @@ class Node:
         if rroom is not None and rroom.key == key and rroom.peer is not None and rroom.peer.daemon_id == sender.daemon_id:
             if quiesced:
                 rroom.quiesced = True
-            if rroom.finished:
+            if rroom.state is RoomState.SUCCESS:
+                # Every byte landed and the engine may still be reading unconsumed chunks: a late
+                # failure on the prefill side (e.g. a Complete ack lost) must not free them.
+                pass
+            elif rroom.finished:
                 if quiesced:
                     self._release_recv_slots(rroom)
             else:
