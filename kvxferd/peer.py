@@ -113,13 +113,11 @@ class PeerHandle:
             reply = await self.stub.Handshake(
                 peer_pb2.HandshakeRequest(
                     sender=self._me, agent_name=node.transport.name, nixl_metadata=node.transport.metadata(),
-                    nixl_metadata_updates=node.transport.metadata_update(),
                     version=__version__,
                 ),
                 timeout=CONTROL_TIMEOUT_S,
             )
-            await self._m.adopt(self, daemon_ref(reply.sender), reply.agent_name, bytes(reply.nixl_metadata),
-                                [bytes(b) for b in reply.nixl_metadata_updates])
+            await self._m.adopt(self, daemon_ref(reply.sender), reply.agent_name, bytes(reply.nixl_metadata))
             self.md_epoch_sent = epoch
 
     async def bootstrap(
@@ -228,9 +226,7 @@ class PeerManager:
             raise FailedPrecondition(f"daemon {sender.daemon_id!r} restarted; handshake again")
         return h
 
-    async def adopt(
-        self, h: PeerHandle, ref: DaemonRef, agent_name: str, metadata: bytes, updates: list[bytes] | None = None,
-    ) -> None:
+    async def adopt(self, h: PeerHandle, ref: DaemonRef, agent_name: str, metadata: bytes) -> None:
         """Records who is behind a handle and loads its NIXL metadata (replacing a restarted peer's)."""
         node = self.node
         if ref.daemon_id == node.daemon_id:
@@ -242,7 +238,7 @@ class PeerManager:
             # Same daemon reached by another address: keep one handle.
             if old.instance_id == ref.instance_id and old.up:
                 self._by_address[h.address] = old
-                await self._reload_metadata(old, metadata, updates)
+                await self._reload_metadata(old, metadata)
                 return
             self._lost(old, "peer restarted" if old.instance_id != ref.instance_id else "peer re-addressed")
             self._by_id.pop(ref.daemon_id, None)
@@ -250,7 +246,7 @@ class PeerManager:
             # A repeated handshake from the same process: never remove its entry (transfers
             # may be using it), but load metadata that grew (a GPU ring registered since).
             h.last_ok = time.monotonic()
-            await self._reload_metadata(h, metadata, updates)
+            await self._reload_metadata(h, metadata)
             return
         if h.up and h.instance_id and h.instance_id != ref.instance_id:
             self._lost(h, f"peer {ref.daemon_id} restarted")
@@ -269,7 +265,7 @@ class PeerManager:
         self._refresh()
         logger.info("peer %s (%s) is up, NIXL agent %s", ref.daemon_id, h.address, h.agent_name)
 
-    async def _reload_metadata(self, h: PeerHandle, metadata: bytes, updates: list[bytes] | None = None) -> None:
+    async def _reload_metadata(self, h: PeerHandle, metadata: bytes) -> None:
         """Same live peer, metadata again: NIXL updates the loaded entry in place (same bytes: no-op).
 
         Never fails the handshake: the old entry stays loaded, and a WRITE into memory it lacks
@@ -278,14 +274,9 @@ class PeerManager:
         if h.is_self or not h.agent_name:
             return
         try:
-            if updates:
-                # Registrations only: NIXL will not reload a live agent's full metadata.
-                for blob in updates:
-                    await self._workers.run_blocking(self.node.transport.load_update, h.agent_name, blob)
-            else:
-                h.agent_name = await self._workers.run_blocking(self.node.transport.add_remote, metadata)
+            h.agent_name = await self._workers.run_blocking(self.node.transport.add_remote, metadata)
         except Exception as exc:
-            logger.warning("reloading the NIXL metadata of %s failed: %s", h.daemon_id, exc)
+            logger.warning("reloading the NIXL metadata of %s failed; keeping the old: %s", h.daemon_id, exc)
 
     def _lost(self, h: PeerHandle, reason: str) -> None:
         if not h.up:
@@ -394,8 +385,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             raise PermissionDenied(f"{ref.address} belongs to daemon {known.daemon_id!r}, which is up")
         h = self._m._handle(ref.address)
         try:
-            await self._m.adopt(h, ref, request.agent_name, bytes(request.nixl_metadata),
-                                [bytes(b) for b in request.nixl_metadata_updates])
+            await self._m.adopt(h, ref, request.agent_name, bytes(request.nixl_metadata))
         except KvxferError:
             raise
         except Exception as exc:
@@ -403,7 +393,6 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         node = self._node
         return peer_pb2.HandshakeReply(
             sender=daemon_ref_pb(node.ref), agent_name=node.transport.name, nixl_metadata=node.transport.metadata(),
-            nixl_metadata_updates=node.transport.metadata_update(),
             version=__version__,
         )
 
