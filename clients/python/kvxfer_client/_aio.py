@@ -24,6 +24,7 @@ from kvxfer_client._common import (
     Slot,
     bytes_tensor,
     chunk_request,
+    enqueue_results,
     export_ring,
     register_request,
     registration,
@@ -203,9 +204,7 @@ class AsyncPrefillSender(_AsyncEngineClient):
     async def enqueue_many(self, chunks: list[Chunk]) -> list[KvxferError | None]:
         reply = await self._call(self.stub.EnqueueChunks, engine_pb2.EnqueueChunksRequest(
             chunks=[chunk_request(self.engine_id, c) for c in chunks]))
-        codes = {sc.value[0]: sc for sc in grpc.StatusCode}
-        return [None if r.code == 0 else KvxferError(codes.get(r.code, grpc.StatusCode.UNKNOWN), r.message)
-                for r in reply.results]
+        return enqueue_results(reply)
 
     async def send_chunk(
         self, room: int, chunk_id: int, token_start: int, num_tokens: int, data: bytes | memoryview,

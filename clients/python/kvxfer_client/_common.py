@@ -67,6 +67,17 @@ class RoomFailed(KvxferError):
         self.reason = reason
 
 
+_STATUS_BY_VALUE = {sc.value[0]: sc for sc in grpc.StatusCode}
+
+
+def enqueue_results(reply: engine_pb2.EnqueueChunksReply) -> list[KvxferError | None]:
+    """None per accepted chunk of a batched enqueue, else its error with the status code."""
+    return [
+        None if r.code == 0 else KvxferError(_STATUS_BY_VALUE.get(r.code, grpc.StatusCode.UNKNOWN), r.message)
+        for r in reply.results
+    ]
+
+
 def wrap_rpc_error(exc: grpc.RpcError) -> KvxferError:
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)

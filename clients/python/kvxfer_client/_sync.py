@@ -24,6 +24,7 @@ from kvxfer_client._common import (
     Slot,
     bytes_tensor,
     chunk_request,
+    enqueue_results,
     export_ring,
     register_request,
     registration,
@@ -203,10 +204,7 @@ class PrefillSender(_EngineClient):
         """One RPC for many chunks; returns None per accepted chunk, else its error."""
         reply = self._call(self.stub.EnqueueChunks, engine_pb2.EnqueueChunksRequest(
             chunks=[chunk_request(self.engine_id, c) for c in chunks]))
-        out: list[KvxferError | None] = []
-        for r in reply.results:
-            out.append(None if r.code == 0 else KvxferError(_status(r.code), r.message))
-        return out
+        return enqueue_results(reply)
 
     def send_chunk(
         self, room: int, chunk_id: int, token_start: int, num_tokens: int, data: bytes | memoryview,
@@ -225,13 +223,6 @@ class PrefillSender(_EngineClient):
             self.release_slot(slot)
             raise
         return slot
-
-
-def _status(code: int) -> grpc.StatusCode:
-    for sc in grpc.StatusCode:
-        if sc.value[0] == code:
-            return sc
-    return grpc.StatusCode.UNKNOWN
 
 
 class DecodeReceiver(_EngineClient):
