@@ -29,7 +29,7 @@ lint: install-test
 	$(PY) -m mypy
 
 test: install-test lint
-	KVXFERD_VALIDATE_DEPLOY=1 TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	KVX_VALIDATE_DEPLOY=1 TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 proto: install-test
 	$(PY) scripts/gen_proto.py

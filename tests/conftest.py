@@ -87,7 +87,9 @@ def spawn_daemon(
         "--metrics-port", "0", "--host-pool-bytes", pool, "--daemon-id", name, "--ready-file", str(ready),
         "--log-format", "text", "--set", "heartbeat_interval_s=0.5", *extra,
     ]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    # The daemon rejects unknown KVXFERD_* settings; a developer's shell must not change what a test starts.
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("KVXFERD_")}
+    full_env = {**inherited, "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log, "ab") as fh:
         proc = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT)
     d = DaemonProc(name, proc, sock, log, ready, args)

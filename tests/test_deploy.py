@@ -2,7 +2,7 @@
 
 The real validators (systemd-analyze, kubernetes-validate, promtool, hadolint, ...) run in
 scripts/validate-deploy.sh; `test_validate_deploy_script` runs it when
-KVXFERD_VALIDATE_DEPLOY=1.  Names checked here come from docs/contracts.md, so a renamed
+KVX_VALIDATE_DEPLOY=1.  Names checked here come from docs/contracts.md, so a renamed
 metric or config key fails these tests instead of silently breaking a dashboard.
 """
 
@@ -570,8 +570,8 @@ def test_dockerignore_keeps_context_small():
 
 
 @pytest.mark.skipif(
-    os.environ.get("KVXFERD_VALIDATE_DEPLOY") != "1",
-    reason="set KVXFERD_VALIDATE_DEPLOY=1 to run scripts/validate-deploy.sh",
+    os.environ.get("KVX_VALIDATE_DEPLOY") != "1",
+    reason="set KVX_VALIDATE_DEPLOY=1 to run scripts/validate-deploy.sh",
 )
 def test_validate_deploy_script():
     proc = subprocess.run(

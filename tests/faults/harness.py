@@ -65,7 +65,9 @@ def launch(
 
 
 def _popen(args: list[str], log: Path, env: dict[str, str] | None) -> subprocess.Popen[bytes]:
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    # The daemon rejects unknown KVXFERD_* settings; a developer's shell must not change what a test starts.
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("KVXFERD_")}
+    full_env = {**inherited, "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log, "ab") as fh:
         return subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT)
 
