@@ -281,6 +281,15 @@ def slot_tensor(client: Any, offset: int, length: int) -> torch.Tensor:
     return torch.frombuffer(client.view(offset, length), dtype=torch.uint8)
 
 
+def gpu_ring(spec: Spec, nbytes: int) -> torch.Tensor | None:
+    """With --device cuda the staging ring lives on the engine's GPU and the daemon imports it by
+    CUDA IPC handle (gather and scatter stay on the device); on CPU the ring is a window of the
+    daemon's host pool."""
+    if not spec.device.startswith("cuda"):
+        return None
+    return torch.empty(nbytes, dtype=torch.uint8, device=spec.device)
+
+
 def device_sync(device: str) -> None:
     # The kernels are asynchronous on a GPU: the slot must hold the bytes before the daemon is told.
     if device.startswith("cuda"):
@@ -321,10 +330,11 @@ def _prefill_rank(spec: Spec, rank: int) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         engines: dict[str, tuple[Any, Any, PagedPool]] = {}
         for i, dt in enumerate(spec.dtypes):
+            ring_bytes = ring_bytes_for(spec, dt, heads.count)
             tx = stack.enter_context(PrefillSender(
                 socket=spec.prefill_socket, group=spec.group(dt, "prefill"), layout=kv_layout(spec, dt),
-                tp_size=spec.prefill_tp, tp_rank=rank, ring_bytes=ring_bytes_for(spec, dt, heads.count),
-                name=f"{spec.group(dt, 'prefill')}-r{rank}",
+                tp_size=spec.prefill_tp, tp_rank=rank, ring_bytes=ring_bytes,
+                name=f"{spec.group(dt, 'prefill')}-r{rank}", ring_tensor=gpu_ring(spec, ring_bytes),
             ))
             pool = PagedPool(spec, dt, heads.count, pages_for(spec), seed=spec.seed * 7919 + 100 * i + rank,
                              garbage=False)
@@ -412,10 +422,11 @@ def _decode_rank(spec: Spec, rank: int, results: Any) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         engines: dict[str, tuple[Any, PagedPool]] = {}
         for i, dt in enumerate(spec.dtypes):
+            ring_bytes = ring_bytes_for(spec, dt, heads.count)
             rx = stack.enter_context(DecodeReceiver(
                 socket=spec.decode_socket, group=spec.group(dt, "decode"), layout=kv_layout(spec, dt),
-                tp_size=spec.decode_tp, tp_rank=rank, ring_bytes=ring_bytes_for(spec, dt, heads.count),
-                name=f"{spec.group(dt, 'decode')}-r{rank}",
+                tp_size=spec.decode_tp, tp_rank=rank, ring_bytes=ring_bytes,
+                name=f"{spec.group(dt, 'decode')}-r{rank}", ring_tensor=gpu_ring(spec, ring_bytes),
             ))
             pool = PagedPool(spec, dt, heads.count, pages_for(spec), seed=spec.seed * 7919 + 100 * i + 50 + rank,
                              garbage=True)
@@ -699,6 +710,7 @@ def run(spec: Spec, daemons: OwnDaemons | None = None) -> dict[str, Any]:
         "bytes_gathered": bytes_gathered,
         "wall_s": round(wall, 3),
         "rooms": len(ordered),
+        "staging_ring": "cuda-ipc" if spec.device.startswith("cuda") else "host",
         "errors": errors,
         "config": {k: v for k, v in asdict(spec).items() if k not in ("rooms",)},
         "per_room": ordered,

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import grp
 import ipaddress
 import json
 import logging
+import mmap
 import os
 import signal
 import socket
@@ -137,28 +139,57 @@ def _ucx_devices(config: Config) -> Iterator[None]:
 FAULT_CONTROL_SUFFIX = ".faults"
 
 
-async def _fault_control(path: str, injector: FaultInjector) -> None:
-    """Test-only (fault_injection = true): writing N to `<socket>.faults` makes the next N NIXL
-    posts end in ERROR, so tests can fail a transfer inside a subprocess daemon. The file sits
-    next to the socket, in a directory only the daemon's user can write; the hook does not exist
-    unless fault_injection is on."""
+async def _fault_control(path: str, injector: FaultInjector, node: Node, workers: WorkerPool) -> None:
+    """Test-only (fault_injection = true), driven by writing one command to `<socket>.faults`:
+
+    - `N`: the next N NIXL posts end in ERROR, so tests can fail a transfer inside a subprocess daemon;
+    - `register BYTES` / `release`: register a new DRAM region with NIXL (release: the oldest such
+      region) and bump the metadata epoch, as importing or releasing an engine's GPU ring does, so
+      CPU tests exercise re-handshakes with changed NIXL metadata while rooms are in flight.
+
+    The file sits next to the socket, in a directory only the daemon's user can write; the hook
+    does not exist unless fault_injection is on."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)  # a leftover of an earlier run must not fire now
-    while True:
-        await asyncio.sleep(0.05)
-        try:
-            with open(path) as fh:
-                text = fh.read()
-            os.unlink(path)
-        except FileNotFoundError:
-            continue
-        try:
-            n = int(text.strip())
-        except ValueError:
-            logger.warning("fault injection: %s must hold a count, got %r", path, text[:40])
-            continue
-        injector.fail_next(n)
-        logger.warning("fault injection: the next %d NIXL transfer(s) will end in ERROR", n)
+    scratch: list[tuple[mmap.mmap, int]] = []
+    try:
+        while True:
+            await asyncio.sleep(0.05)
+            try:
+                with open(path) as fh:
+                    text = fh.read()
+                os.unlink(path)
+            except FileNotFoundError:
+                continue
+            words = text.split()
+            try:
+                if len(words) == 1 and words[0].isdigit():
+                    injector.fail_next(int(words[0]))
+                    logger.warning("fault injection: the next %s NIXL transfer(s) will end in ERROR", words[0])
+                elif len(words) == 2 and words[0] == "register" and words[1].isdigit():
+                    m = mmap.mmap(-1, int(words[1]))
+                    buf = ctypes.c_char.from_buffer(m)
+                    addr = ctypes.addressof(buf)
+                    del buf  # a live export would keep m.close() from unmapping it
+                    await workers.run_blocking(node.transport.register_region, addr, len(m), "DRAM", 0)
+                    scratch.append((m, addr))
+                    node.md_epoch += 1
+                    logger.warning("fault injection: registered %d B at 0x%x (metadata epoch %d)", len(m), addr,
+                                   node.md_epoch)
+                elif words == ["release"] and scratch:
+                    m, addr = scratch.pop(0)
+                    await workers.run_blocking(node.transport.deregister_region, addr)
+                    m.close()  # unmapped: the next region may land at the same address, like a GPU ring
+                    node.md_epoch += 1
+                    logger.warning("fault injection: released a region (metadata epoch %d)", node.md_epoch)
+                else:
+                    logger.warning("fault injection: unknown command %r in %s", text[:40], path)
+            except Exception as exc:
+                logger.warning("fault injection: %r failed: %s", text[:40], exc)
+    finally:
+        for _, addr in scratch:
+            with contextlib.suppress(Exception):
+                node.transport.deregister_region(addr)
 
 
 def _prepare_socket(path: str) -> None:
@@ -235,6 +266,7 @@ async def serve(
         node = Node(config, transport, pool, metrics)
         node.instance_id = instance + uuid.uuid4().hex[:8]
         workers = WorkerPool(transport, loop, config.workers)
+        node.run_blocking = workers.run_blocking
         node.scheduler = Scheduler(node, workers, metrics)
         peers = PeerManager(node, config, workers, metrics)
         node.peers = peers
@@ -301,7 +333,7 @@ async def serve(
             await health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
         sweeper = asyncio.ensure_future(_sweep(node))
         if injector is not None:
-            faults = asyncio.ensure_future(_fault_control(config.socket + FAULT_CONTROL_SUFFIX, injector))
+            faults = asyncio.ensure_future(_fault_control(config.socket + FAULT_CONTROL_SUFFIX, injector, node, workers))
             sweeper.add_done_callback(lambda _: faults.cancel())
         logger.info(
             "kvxferd %s serving: daemon %s, socket %s, peer %s, metrics %s:%d, pool %d MiB",

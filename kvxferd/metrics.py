@@ -60,6 +60,10 @@ class Metrics:
         self.heartbeat_misses = Counter(
             "kvxferd_heartbeat_misses", "Heartbeats to a peer that got no answer", ["peer"], registry=r
         )
+        self.peer_metadata_loads = Counter(
+            "kvxferd_peer_metadata_reloads", "Live peers' NIXL metadata replaced after they registered or released memory",
+            ["peer"], registry=r,
+        )
         for role in ("prefill", "decode"):
             self.engines.labels(role=role).set(0)
             for state in ("BOOTSTRAPPING", "WAITING_FOR_INPUT", "TRANSFERRING", "SUCCESS", "FAILED"):

@@ -8,7 +8,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -139,6 +139,10 @@ def layouts_compatible(a: KVLayout, b: KVLayout) -> str:
     return ""
 
 
+async def _run_inline(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
+
+
 class Node:
     def __init__(self, config: Config, transport: Transport, pool: HostPool, metrics: Metrics) -> None:
         self.config = config
@@ -155,6 +159,9 @@ class Node:
         self.recv_rooms: dict[int, RecvRoom] = {}
         self.peers: PeerManager  # set by app
         self.scheduler: Scheduler  # set by app
+        # Runs a slow blocking call (CUDA IPC import, NIXL VRAM registration) off the event loop;
+        # set by app to WorkerPool.run_blocking. Inline by default (unit tests without workers).
+        self.run_blocking: Callable[..., Awaitable[Any]] = _run_inline
         self._loop = asyncio.get_event_loop()
         self._tasks: set[asyncio.Task[None]] = set()
         # Engines gone whose rings still have slots a transfer may touch.
@@ -223,7 +230,8 @@ class Node:
 
     # ------------------------------------------------------------------ engines
 
-    def register_engine(self, spec: EngineSpec, cuda_importer: Callable[[EngineSpec], Ring] | None) -> Engine:
+    def check_engine_spec(self, spec: EngineSpec) -> None:
+        """Every check of RegisterEngine that needs no ring; raises InvalidArgument/FailedPrecondition."""
         self._require_serving()
         p = spec.parallel
         if spec.role not in (Role.PREFILL, Role.DECODE):
@@ -249,6 +257,38 @@ class Node:
                 )
         if spec.lease_ms and not 100 <= spec.lease_ms <= 3_600_000:
             raise InvalidArgument(f"lease_ms must be 100..3600000, got {spec.lease_ms}")
+        if spec.zero_copy:
+            lay = spec.layout
+            per_slot = lay.num_layers * lay.planes * rank_heads(lay.total_kv_heads, p.tp_size, p.tp_rank, lay.mla).count
+            per_slot *= lay.head_dim * lay.dtype_bytes
+            want = spec.cuda_ring.size if spec.cuda_ring is not None else spec.ring_bytes
+            if want <= 0 or want % (per_slot * lay.page_size):
+                raise InvalidArgument(
+                    f"zero-copy pool of {want} B is not a whole number of pages of "
+                    f"{per_slot * lay.page_size} B ([layers, K/V, slots, local_heads, head_dim])"
+                )
+
+    async def register_engine_async(
+        self, spec: EngineSpec, cuda_importer: Callable[[EngineSpec], Ring] | None
+    ) -> Engine:
+        """register_engine, with a GPU ring imported off the event loop: a daemon's first CUDA IPC
+        import creates its CUDA context and registers VRAM with NIXL, which took seconds on the GPU
+        box with several engines starting at once; on the loop that starved heartbeats and the
+        peer daemon declared this one lost."""
+        if spec.cuda_ring is None or cuda_importer is None:
+            return self.register_engine(spec, cuda_importer)
+        self.check_engine_spec(spec)  # bad input fails before anything touches the GPU
+        ring: Ring = await self.run_blocking(cuda_importer, spec)
+        try:
+            return self.register_engine(spec, lambda _: ring)
+        except BaseException:
+            if ring.close is not None:
+                await self.run_blocking(ring.close)
+            raise
+
+    def register_engine(self, spec: EngineSpec, cuda_importer: Callable[[EngineSpec], Ring] | None) -> Engine:
+        self.check_engine_spec(spec)
+        p = spec.parallel
         if spec.cuda_ring is not None:
             if cuda_importer is None:
                 raise FailedPrecondition("this daemon cannot import CUDA IPC rings (no CUDA available)")
@@ -272,13 +312,7 @@ class Node:
             per_slot = lay.num_layers * lay.planes * rank_heads(lay.total_kv_heads, p.tp_size, p.tp_rank, lay.mla).count
             per_slot *= lay.head_dim * lay.dtype_bytes
             want = spec.cuda_ring.size if spec.cuda_ring is not None else spec.ring_bytes
-            if want % (per_slot * lay.page_size):
-                self._discard_ring(ring)
-                raise InvalidArgument(
-                    f"zero-copy pool of {want} B is not a whole number of pages of "
-                    f"{per_slot * lay.page_size} B ([layers, K/V, slots, local_heads, head_dim])"
-                )
-            pool_slots = want // per_slot
+            pool_slots = want // per_slot  # a whole number of pages: check_engine_spec
         # A restarted engine process re-registers the same rank: the old
         # registration is dead (its rooms fail, its mappings go).
         for other in list(self.engines.values()):
@@ -302,11 +336,13 @@ class Node:
         )
         return eng
 
-    def _discard_ring(self, ring: Ring) -> None:
-        if ring.kind == "host":
-            self.pool.free_region(ring.pool_offset)
-        if ring.close is not None:
-            ring.close()
+    async def _close_ring(self, engine_id: str, close: Callable[[], None]) -> None:
+        try:
+            await self.run_blocking(close)
+        except Exception as exc:
+            logger.warning("closing ring of engine %s failed: %s", engine_id, exc)
+        else:
+            logger.info("ring of engine %s released", engine_id)
 
     def lease_s(self, eng: Engine) -> float:
         return eng.spec.lease_ms / 1000 if eng.spec.lease_ms else self.config.engine_lease_s
@@ -363,14 +399,17 @@ class Node:
         ring = eng.ring
         if ring.kind == "host":
             self.pool.free_region(ring.pool_offset)
+        if ring.kind == "cuda":
+            # Peers still hold the released ring in their copy of our NIXL metadata; the next
+            # handshake replaces it, before a ring imported at the same address can be written.
+            self.md_epoch += 1
         if ring.close is not None:
-            try:
-                ring.close()
-            except Exception as exc:
-                logger.warning("closing ring of engine %s failed: %s", eng.id, exc)
+            # Deregistering VRAM and closing the IPC mapping can take long: not on the loop.
+            self.spawn(self._close_ring(eng.id, ring.close), f"close ring {eng.id}")
+        else:
+            logger.info("ring of engine %s released", eng.id)
         self.metrics.ring_capacity.remove(ring.name)
         self.metrics.ring_used.remove(ring.name)
-        logger.info("ring of engine %s released", eng.id)
 
     def expire_leases(self) -> None:
         now = time.monotonic()

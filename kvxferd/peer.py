@@ -66,6 +66,7 @@ class PeerHandle:
         self.daemon_id = ""
         self.instance_id = ""
         self.agent_name = ""
+        self.metadata = b""  # the NIXL metadata loaded for agent_name
         self.is_self = False
         self.up = False
         # Node.md_epoch our last handshake carried: a GPU ring registered since is unknown to
@@ -254,6 +255,7 @@ class PeerManager:
             if h.agent_name:
                 await self._workers.run_blocking(node.transport.remove_remote, h.agent_name)
             h.agent_name = await self._workers.run_blocking(node.transport.add_remote, metadata)
+            h.metadata = metadata
         else:
             h.agent_name = agent_name
         h.daemon_id, h.instance_id = ref.daemon_id, ref.instance_id
@@ -266,17 +268,22 @@ class PeerManager:
         logger.info("peer %s (%s) is up, NIXL agent %s", ref.daemon_id, h.address, h.agent_name)
 
     async def _reload_metadata(self, h: PeerHandle, metadata: bytes) -> None:
-        """Same live peer, metadata again: NIXL updates the loaded entry in place (same bytes: no-op).
-
-        Never fails the handshake: the old entry stays loaded, and a WRITE into memory it lacks
-        fails on its own with a clear error (a decode daemon never writes to its prefill peer).
-        """
-        if h.is_self or not h.agent_name:
+        """Same live peer, handshaking again. Unchanged metadata: nothing to do. Changed (it
+        imported or released a GPU ring): its NIXL entry is replaced whole while no WRITE to it
+        is in flight; WRITEs queued meanwhile wait and then go out against the new entry."""
+        if h.is_self or not h.agent_name or metadata == h.metadata:
             return
+        name = h.agent_name
         try:
-            h.agent_name = await self._workers.run_blocking(self.node.transport.add_remote, metadata)
+            h.agent_name = await self._workers.exclusive(name, self.node.transport.add_remote, metadata)
         except Exception as exc:
-            logger.warning("reloading the NIXL metadata of %s failed; keeping the old: %s", h.daemon_id, exc)
+            # The old entry is gone as well: nothing can be written to the peer until a fresh
+            # handshake loads it, so its rooms fail now rather than at their next WRITE.
+            self._lost(h, f"loading its new NIXL metadata failed: {exc}")
+            raise
+        h.metadata = metadata
+        self._metrics.peer_metadata_loads.labels(peer=h.daemon_id).inc()
+        logger.info("peer %s: NIXL metadata replaced (it registered or released memory)", h.daemon_id)
 
     def _lost(self, h: PeerHandle, reason: str) -> None:
         if not h.up:

@@ -100,7 +100,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         wrap_servicer(self, "Engine", metrics, self.UNARY)
 
     async def RegisterEngine(self, request: engine_pb2.RegisterEngineRequest, context: Any) -> engine_pb2.RegisterEngineReply:
-        eng = self._node.register_engine(engine_spec(request), self._cuda_importer)
+        eng = await self._node.register_engine_async(engine_spec(request), self._cuda_importer)
         node = self._node
         return engine_pb2.RegisterEngineReply(
             engine_id=eng.id, pool_path=node.pool.path, pool_bytes=node.pool.size,

@@ -45,9 +45,6 @@ class Transport(Protocol):
     def deregister_region(self, addr: int) -> None: ...
 
     def metadata(self) -> bytes: ...
-    def metadata_update(self) -> list[bytes]: ...
-    def load_update(self, name: str, blob: bytes) -> None: ...
-
     def add_remote(self, metadata: bytes) -> str: ...
 
     def remove_remote(self, name: str) -> None: ...
@@ -269,58 +266,29 @@ class NixlTransport:
             self._check_open()
             return bytes(self._agent.get_agent_metadata())
 
-    def metadata_update(self) -> list[bytes]:
-        """Every current registration without connection info, one blob per memory type.
-
-        A peer that already loaded our full metadata cannot load it again (NIXL answers
-        NOT_ALLOWED for a live agent), but it can load these to learn regions added since.
-        """
-        with self._ctl:
-            self._check_open()
-            by_mem: dict[str, list[tuple[int, int, int, str]]] = {}
-            for addr, (_, length, mem, device) in self._regions.items():
-                by_mem.setdefault(mem, []).append((addr, length, device, ""))
-            out = []
-            for mem, descs in sorted(by_mem.items()):
-                regs = self._agent.get_reg_descs(descs, mem)
-                out.append(bytes(self._agent.get_partial_agent_metadata(regs, inc_conn_info=False)))
-            return out
-
-    def load_update(self, name: str, blob: bytes) -> None:
-        """Loads a metadata_update() blob of a peer whose full metadata is already loaded."""
-        with self._ctl:
-            self._check_open()
-            if name not in self._remotes:
-                raise TransportError(f"peer {name} is not loaded; load its full metadata first")
-            try:
-                self._agent.add_remote_agent(blob)
-            except Exception as exc:
-                raise TransportError(f"loading a registration update of {name} failed: {exc}") from exc
-
     def add_remote(self, metadata: bytes) -> str:
-        """Loads a peer's metadata; returns its agent name. Re-adding replaces the old entry.
+        """Loads a peer's metadata; returns its agent name.
 
-        Same bytes again: nothing to do (transfers in flight keep going). New metadata from the
-        same live peer (it registered more regions): NIXL updates it in place. A restarted peer
-        (new connection info under the same name): NIXL refuses the in-place load, so the old
-        entry is removed first and the new one loaded (tested: no crash, new WRITEs land).
+        Same bytes again: nothing to do (transfers in flight keep going). Different bytes under a
+        loaded name (a restarted peer, or a live one that registered or released memory): the old
+        entry is removed and the new one loaded, never merged. NIXL's in-place load only adds
+        regions: a released region stays loaded, and a new one at a reused address (the next
+        cudaIpcOpenMemHandle often maps where the last one was) was refused with NOT_ALLOWED for
+        VRAM on the GPU box, after which NIXL had dropped the whole agent. Removing the entry
+        fails the WRITEs still in flight to it, so callers quiesce the peer first
+        (WorkerPool.exclusive).
         """
         name = agent_name_from_metadata(metadata)
         with self._ctl:
             self._check_open()
-            if name is not None and self._remotes.get(name) == metadata:
-                return name
+            if name is not None and name in self._remotes:
+                if self._remotes[name] == metadata:
+                    return name
+                self._forget(name)
             try:
                 loaded = _as_str(self._agent.add_remote_agent(metadata))
-            except Exception as first:
-                if name is None or name not in self._remotes:
-                    raise TransportError(f"loading NIXL metadata of {name or 'a peer'} failed: {first}") from first
-                logger.info("NIXL refused to update agent %s in place (%s): peer restarted, replacing it", name, first)
-                self._forget(name)
-                try:
-                    loaded = _as_str(self._agent.add_remote_agent(metadata))
-                except Exception as exc:
-                    raise TransportError(f"re-adding restarted peer {name} failed: {exc}") from exc
+            except Exception as exc:
+                raise TransportError(f"loading NIXL metadata of {name or 'a peer'} failed: {exc}") from exc
             self._remotes[loaded] = metadata
             return loaded
 
@@ -478,13 +446,6 @@ class LocalTransport:
 
     def metadata(self) -> bytes:
         return b"kvxferd-local|" + self._token
-
-    def metadata_update(self) -> list[bytes]:
-        # In-process peers see every registration directly.
-        return []
-
-    def load_update(self, name: str, blob: bytes) -> None:
-        return None
 
     def add_remote(self, metadata: bytes) -> str:
         if not metadata.startswith(b"kvxferd-local|"):

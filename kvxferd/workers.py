@@ -62,6 +62,11 @@ class WorkerPool:
         ]
         self._in_flight = 0
         self._lock = threading.Lock()
+        # Per remote agent: jobs handed to a thread and not yet reported (under _lock), and the
+        # jobs parked while exclusive() swaps that agent's NIXL entry (loop thread only).
+        self._posted: dict[str, int] = {}
+        self._parked: dict[str, list[tuple[TransferJob, int]]] = {}
+        self._exclusive_locks: dict[str, asyncio.Lock] = {}
         self._blocking = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvxferd-blocking")
         self._notif_thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -83,7 +88,47 @@ class WorkerPool:
     def submit(self, job: TransferJob, shard: int) -> None:
         with self._lock:
             self._in_flight += 1
+        parked = self._parked.get(job.remote) if job.remote else None
+        if parked is not None:
+            parked.append((job, shard))
+            return
+        self._hand_over(job, shard)
+
+    def _hand_over(self, job: TransferJob, shard: int) -> None:
+        with self._lock:
+            self._posted[job.remote] = self._posted.get(job.remote, 0) + 1
+        if self._stop.is_set():
+            self._report(job, XferState.ERROR, "daemon stopped before the transfer was posted")
+            return
         self._queues[shard % len(self._queues)].put(job)
+
+    def posted_to(self, remote: str) -> int:
+        with self._lock:
+            return self._posted.get(remote, 0)
+
+    async def exclusive(self, remote: str, fn: Callable[..., T], *args: Any, drain_timeout_s: float = 5.0) -> T:
+        """Runs the blocking fn(*args) while no WRITE to `remote` is in flight.
+
+        New jobs for that agent are parked meanwhile and handed over afterwards, in order. Used
+        to replace a live peer's NIXL entry: removing it fails every WRITE still in flight to it.
+        WRITEs to a live peer finish in milliseconds; one still running after drain_timeout_s
+        (a frozen peer) is left to fail, which fails its room with a reason, rather than
+        stalling every other room to that peer.
+        """
+        lock = self._exclusive_locks.setdefault(remote, asyncio.Lock())
+        async with lock:
+            self._parked[remote] = []
+            try:
+                deadline = self._loop.time() + drain_timeout_s
+                while self.posted_to(remote) and self._loop.time() < deadline:
+                    await asyncio.sleep(0.001)
+                if left := self.posted_to(remote):
+                    logger.warning("%d WRITE(s) to %s still in flight after %.1f s; replacing its entry anyway",
+                                   left, remote, drain_timeout_s)
+                return await self.run_blocking(fn, *args)
+            finally:
+                for job, shard in self._parked.pop(remote, []):
+                    self._hand_over(job, shard)
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """Runs a slow call (NIXL metadata load, registration) off the event loop."""
@@ -104,6 +149,11 @@ class WorkerPool:
     def _report(self, job: TransferJob, state: XferState, error: str) -> None:
         with self._lock:
             self._in_flight -= 1
+            n = self._posted.get(job.remote, 0) - 1
+            if n > 0:
+                self._posted[job.remote] = n
+            else:
+                self._posted.pop(job.remote, None)
         job.finished_at = time.monotonic()
         try:
             self._loop.call_soon_threadsafe(job.on_done, job, state, error)

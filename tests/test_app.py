@@ -164,3 +164,54 @@ def test_second_sigint_forces_exit(daemons: Any) -> None:
         d.proc.send_signal(signal.SIGINT)
         assert d.proc.wait(10) == 130
         tx.close(unregister=False)
+
+
+async def test_gpu_ring_import_runs_off_the_event_loop(inproc: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon's first CUDA IPC import creates its CUDA context and registers VRAM with NIXL
+    (seconds on a busy GPU box). On the event loop that starved heartbeats and the peer declared the
+    daemon lost; it must leave the daemon answering meanwhile. The importer here blocks for 1.5 s,
+    as a slow import does, then fails as an import on a machine without CUDA does."""
+    import kvxferd.app
+    from kvxferd.errors import FailedPrecondition
+
+    calls: list[float] = []
+
+    def slow_importer(transport: Any) -> Any:
+        def imp(spec: Any) -> Any:
+            calls.append(time.monotonic())
+            time.sleep(1.5)
+            raise FailedPrecondition("cannot open the engine's CUDA IPC ring: test importer")
+
+        return imp
+
+    monkeypatch.setattr(kvxferd.app, "_cuda_importer", slow_importer)
+    d = await inproc()
+    async with grpc.aio.insecure_channel(f"unix:{d.socket}") as ch:
+        stub = engine_pb2_grpc.EngineStub(ch)
+        req = engine_pb2.RegisterEngineRequest(
+            role=engine_pb2.ROLE_PREFILL, group="g", layout=common_pb2.KVLayout(
+                num_layers=2, total_kv_heads=2, head_dim=16, dtype_bytes=2, page_size=16),
+            parallel=common_pb2.Parallelism(tp_size=1),
+            cuda_ring=engine_pb2.CudaIpcRing(handle=b"\1" * 64, device_uuid="GPU-test", size=1 << 20))
+        reg = asyncio.ensure_future(stub.RegisterEngine(req, timeout=30))
+        while not calls:
+            await asyncio.sleep(0.01)
+        t0 = time.monotonic()
+        st = await stub.GetStatus(engine_pb2.GetStatusRequest(), timeout=5)
+        answered = time.monotonic() - t0
+        assert st.serving
+        assert not reg.done(), "the import finished before the status call: the test proves nothing"
+        assert answered < 0.75, f"GetStatus took {answered:.2f} s while a GPU ring was being imported"
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await reg
+        assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "test importer" in (ei.value.details() or "")
+        assert len(calls) == 1
+        # Bad input fails before the importer runs: nothing touches the GPU for it.
+        bad = engine_pb2.RegisterEngineRequest()
+        bad.CopyFrom(req)
+        bad.parallel.tp_rank = 3
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await stub.RegisterEngine(bad, timeout=5)
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert len(calls) == 1

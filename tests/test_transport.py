@@ -470,9 +470,10 @@ def test_raw_nixl_pattern_and_arguments() -> None:
             run_raw_nixl(*bad)
 
 
-def test_region_registered_after_handshake_reaches_peer_through_update() -> None:
-    """NIXL refuses to reload a live agent's full metadata; the partial update must teach the
-    peer a region registered after the first handshake (a GPU ring of a new engine)."""
+def test_changed_metadata_of_a_live_peer_replaces_its_entry() -> None:
+    """A region registered after the first load is unknown until the peer's metadata is loaded
+    again; a region released since must be unknown afterwards (NIXL's in-place load would keep it,
+    and a GPU ring imported at its address later would be shadowed by the stale entry)."""
     import numpy as np
 
     from kvxferd.transport import NixlTransport, TransportError, XferState
@@ -481,27 +482,34 @@ def test_region_registered_after_handshake_reaches_peer_through_update() -> None
     src = np.full(1 << 16, 7, dtype=np.uint8)
     first = np.zeros(1 << 16, dtype=np.uint8)
     late = np.zeros(1 << 16, dtype=np.uint8)
-    try:
-        a.register_region(src.ctypes.data, src.nbytes)
-        b.register_region(first.ctypes.data, first.nbytes)
-        name = a.add_remote(b.metadata())
-        b.register_region(late.ctypes.data, late.nbytes)
-        with pytest.raises(TransportError):
-            a.post_write(name, [(src.ctypes.data, late.ctypes.data, 4096)], b"x")
-        updates = b.metadata_update()
-        assert updates
-        for blob in updates:
-            a.load_update(name, blob)
-        h = a.post_write(name, [(src.ctypes.data, late.ctypes.data, 4096)], b"y")
+
+    def write(dst: np.ndarray, notif: bytes) -> XferState:
+        h = a.post_write(name, [(src.ctypes.data, dst.ctypes.data, 4096)], notif)
         deadline = time.monotonic() + 20
         state = a.check(h)
         while state is XferState.PENDING and time.monotonic() < deadline:
             b.get_notifs()  # the receiver must progress for the first connection
             time.sleep(0.001)
             state = a.check(h)
-        assert state is XferState.DONE
-        assert (late[:4096] == 7).all() and (late[4096:] == 0).all()
         a.release(h)
+        return state
+
+    try:
+        a.register_region(src.ctypes.data, src.nbytes)
+        b.register_region(first.ctypes.data, first.nbytes)
+        name = a.add_remote(b.metadata())
+        assert write(first, b"w") is XferState.DONE
+        b.register_region(late.ctypes.data, late.nbytes)
+        with pytest.raises(TransportError):
+            a.post_write(name, [(src.ctypes.data, late.ctypes.data, 4096)], b"x")
+        assert a.add_remote(b.metadata()) == name
+        assert write(late, b"y") is XferState.DONE
+        assert (late[:4096] == 7).all() and (late[4096:] == 0).all()
+        b.deregister_region(first.ctypes.data)
+        assert a.add_remote(b.metadata()) == name
+        with pytest.raises(TransportError):
+            a.post_write(name, [(src.ctypes.data, first.ctypes.data, 4096)], b"z")
+        assert write(late, b"again") is XferState.DONE
     finally:
         a.close()
         b.close()

@@ -11,22 +11,8 @@
 # Writes under $OUT: gpu-e2e.json (one row per case + environment), env.txt, probe.txt, smoke.log,
 # pytest.log and daemon-logs.tar.gz (every test's two daemon logs, UCX protocol choices included).
 set -uo pipefail
-OUT=${OUT:-/tmp/kvxferd-out}
-mkdir -p "$OUT"
-SITE=/tmp/site
-if [ -d .whl ]; then
-  mkdir -p "$SITE"
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 1
-  for t in .whl/*.tar.xz; do [ -e "$t" ] && tar -C "$SITE" -xJf "$t"; done
-fi
-export PYTHONPATH=$SITE:.:clients/python PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-# UCX's CUDA memory hooks (libucm_cuda) link libcudart.so.13: torch's CUDA runtime wheel has it.
-CUDART_DIR=$(python3 -c 'import glob, os, site
-for d in site.getsitepackages():
-    for f in glob.glob(os.path.join(d, "nvidia", "**", "libcudart.so.13*"), recursive=True):
-        print(os.path.dirname(f)); raise SystemExit' 2>/dev/null)
-[ -n "$CUDART_DIR" ] && export LD_LIBRARY_PATH=$CUDART_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-export UCX_MODULES=^efa
+# shellcheck source=bench/device/_env.sh
+. bench/device/_env.sh
 
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv

@@ -5,6 +5,8 @@
 #                     (the wheel is 59 MiB: nixl_ep_cu13 and the storage plugins are dropped)
 #   grpcio, grpcio-health-checking, grpcio-reflection 1.85.1 and protobuf 7.36.2 wheels: our
 #                     generated stubs require them
+#   hf/               transformers 5.23.0 + tokenizers 0.23.3 (the versions CI uses) for
+#                     bench/device/gpu_pd_transformers.sh; the box's own transformers is older
 set -euo pipefail
 DL=(python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
@@ -44,4 +46,5 @@ EOF
 cd - > /dev/null
 tar -C "$tmp/site" -cJf .whl/nixl_slim.tar.xz .
 rm -rf "$tmp"
+"${DL[@]}" -d .whl/hf transformers==5.23.0 tokenizers==0.23.3
 du -sh .whl/*

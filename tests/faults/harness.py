@@ -55,7 +55,7 @@ def launch(
     ready.unlink(missing_ok=True)
     args = [
         *prefix, sys.executable, "-m", "kvxferd", "serve", "--socket", sock, "--peer-listen", peer_listen,
-        "--metrics-port", "-1", "--host-pool-bytes", pool, "--daemon-id", name, "--ready-file", str(ready),
+        "--metrics-port", "0", "--host-pool-bytes", pool, "--daemon-id", name, "--ready-file", str(ready),
         "--log-format", "text", "--set", f"heartbeat_interval_s={HEARTBEAT_S}", *extra,
     ]
     d = DaemonProc(name, _popen(args, log, env), sock, log, ready, args)
@@ -147,6 +147,30 @@ def inject_transfer_errors(d: DaemonProc, n: int) -> None:
     tmp = ctl.with_suffix(".tmp")
     tmp.write_text(f"{n}\n")
     os.replace(tmp, ctl)
+
+
+def fault_command(d: DaemonProc, command: str) -> None:
+    """Test-only hook: `register BYTES` / `release` change the daemon's NIXL metadata as importing
+    or releasing a GPU ring does (see kvxferd.app._fault_control)."""
+    ctl = Path(d.socket + ".faults")
+    wait_until(lambda: not ctl.exists(), 5, "the previous fault command to be taken")
+    tmp = ctl.with_suffix(".tmp")
+    tmp.write_text(command + "\n")
+    os.replace(tmp, ctl)
+    wait_until(lambda: not ctl.exists(), 5, f"the fault command {command!r} to be taken")
+
+
+def metric(d: DaemonProc, name: str) -> float:
+    """Sum of a Prometheus sample over all its label sets, scraped from the daemon's /metrics."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
 
 
 # --------------------------------------------------------------------------- netns

@@ -24,7 +24,10 @@ from tests.faults.harness import (
     Job,
     assert_alive,
     failures_in_log,
+    fault_command,
     inject_transfer_errors,
+    log_lines,
+    metric,
     plans,
     record_timing,
     status,
@@ -110,6 +113,32 @@ def test_injected_nixl_error_fails_one_room_only(pair: Pair, fleet: Fleet) -> No
                   [tp - t_inject], "includes waiting for the next post (control file polled every 50 ms)")
     record_timing("injected NIXL error (FaultInjector.fail_next(1))", "decode side FAILED after the prefill side",
                   [max(0.0, td - tp)])
+    wait_no_slots(pre, dec)
+    assert_alive(pre, dec)
+
+
+def test_peer_memory_changes_while_rooms_are_in_flight(pair: Pair, fleet: Fleet) -> None:
+    """The decode daemon registers and releases memory mid-run (as importing and releasing an
+    engine's GPU ring does, at reused addresses too): each time, the prefill daemon replaces the
+    decode daemon's NIXL entry while WRITEs of other rooms are flowing, and no room notices."""
+    pre, dec = pair
+    rooms = plans(300, 40, [16] * 4)
+    p, d = jobs(pre, dec, "remd", rooms, in_flight=3, chunk_delay_s=0.03)
+    before = metric(pre, "kvxferd_peer_metadata_reloads_total")
+    fleet.start(d)
+    fleet.start(p)
+    done = lambda n: lambda: sum(1 for e in fleet.rooms(d.who).values() if e["state"] == "SUCCESS") >= n  # noqa: E731
+    cycles = ["register 1048576", "release", "register 2097152", "register 65536", "release", "release",
+              "register 1048576", "release"]
+    for i, command in enumerate(cycles):
+        fleet.wait_for(done(2 + 4 * i), 60, f"{2 + 4 * i} rooms to succeed")
+        fault_command(dec, command)
+    fleet.finish()
+    assert_success(fleet, p, d, {r.room for r in rooms})
+    # Every change reached the prefill daemon before a later room needed it (rooms keep starting).
+    reloads = metric(pre, "kvxferd_peer_metadata_reloads_total") - before
+    assert reloads >= 3, (reloads, log_lines(pre, "metadata"))
+    assert not log_lines(pre, "loading its new NIXL metadata failed")
     wait_no_slots(pre, dec)
     assert_alive(pre, dec)
 

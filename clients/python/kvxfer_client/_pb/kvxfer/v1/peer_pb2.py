@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as kvxfer_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvxfer/v1/peer.proto\x12\tkvxfer.v1\x1a\x16kvxfer/v1/common.proto\"D\n\tDaemonRef\x12\x11\n\tdaemon_id\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\"\x93\x01\n\x10HandshakeRequest\x12$\n\x06sender\x18\x01 \x01(\x0b\x32\x14.kvxfer.v1.DaemonRef\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x15\n\rnixl_metadata\x18\x03 \x01(\x0c\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\x1d\n\x15nixl_metadata_updates\x18\x05 \x03(\x0c\"\x91\x01\n\x0eHandshakeReply\x12$\n\x06sender\x18\x01 \x01(\x0b\x32\x14.kvxfer.v1.DaemonRef\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x15\n\rnixl_metadata\x18\x03 \x01(\x0c\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\x1d\n\x15nixl_metadata_updates\x18\x05 \x03(\x0c\"\x9a\x02\n\x10\x42ootstrapRequest\x12$\n\x06sender\x18\x01 \x01(\x0b\x32\x14.kvxfer.v1.DaemonRef\x12 \n\x04room\x18\x02 \x01(\x0b\x32\x12.kvxfer.v1.RoomKey\x12\x15\n\rprefill_group\x18\x03 \x01(\t\x12\x13\n\x0breader_rank\x18\x04 \x01(\r\x12\x11\n\tdecode_tp\x18\x05 \x01(\r\x12#\n\x06layout\x18\x06 \x01(\x0b\x32\x13.kvxfer.v1.KVLayout\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x08 \x01(\x04\x12,\n\tzero_copy\x18\t \x01(\x0b\x32\x19.kvxfer.v1.ZeroCopyTarget\"`\n\x0eZeroCopyTarget\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x11\n\tnum_slots\x18\x02 \x01(\x04\x12\x0b\n\x03mem\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\r\x12\r\n\x05pages\x18\x05 \x03(\r\"\\\n\x0e\x42ootstrapReply\x12\x12\n\nprefill_tp\x18\x01 \x01(\r\x12#\n\x06layout\x18\x02 \x01(\x0b\x32\x13.kvxfer.v1.KVLayout\x12\x11\n\tzero_copy\x18\x03 \x01(\x08\"\xb8\x01\n\x10\x41llocSlotRequest\x12$\n\x06sender\x18\x01 \x01(\x0b\x32\x14.kvxfer.v1.DaemonRef\x12 \n\x04room\x18\x02 \x01(\x0b\x32\x12.kvxfer.v1.RoomKey\x12\x10\n\x08\x63hunk_id\x18\x03 \x01(\r\x12\x13\n\x0breader_rank\x18\x04 \x01(\r\x12\x13\n\x0btoken_start\x18\x05 \x01(\r\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12\x0c\n\x04last\x18\x07 \x01(\x08\"_\n\x0e\x41llocSlotReply\x12\x0f\n\x07granted\x18\x01 \x01(\x08\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\x12\x0b\n\x03mem\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\r\"v\n\x14PeerWatermarkRequest\x12$\n\x06sender\x18\x01 \x01(\x0b\x32\x14.kvxfer.v1.DaemonRef\x12\x0c\n\x04ring\x18\x02 \x01(\t\x12*\n\twatermark\x18\x03 \x01(\x0b\x32\x17.kvxfer.v1.WatermarkPos\"\x14\n\x12PeerWatermarkReply\"\x8f\x01\n\x0f\x43ompleteRequest\x12$\n\x06sender\x18\x01 \x01(\x0b\x32\x14.kvxfer.v1.DaemonRef\x12 \n\x04room\x18\x02 \x01(\x0b\x32\x12.kvxfer.v1.RoomKey\x12\x13\n\x0breader_rank\x18\x03 \x01(\r\x12\x12\n\nnum_chunks\x18\x04 \x01(\r\x12\x0b\n\x03\x61ux\x18\x05 \x01(\x0c\"\x0f\n\rCompleteReply\"\xa2\x01\n\x10PeerAbortRequest\x12$\n\x06sender\x18\x01 \x01(\x0b\x32\x14.kvxfer.v1.DaemonRef\x12 \n\x04room\x18\x02 \x01(\x0b\x32\x12.kvxfer.v1.RoomKey\x12$\n\x04\x63ode\x18\x03 \x01(\x0e\x32\x16.kvxfer.v1.FailureCode\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x10\n\x08quiesced\x18\x05 \x01(\x08\"\x10\n\x0ePeerAbortReply\"8\n\x10HeartbeatRequest\x12$\n\x06sender\x18\x01 \x01(\x0b\x32\x14.kvxfer.v1.DaemonRef\"6\n\x0eHeartbeatReply\x12$\n\x06sender\x18\x01 \x01(\x0b\x32\x14.kvxfer.v1.DaemonRef2\xea\x03\n\x04Peer\x12\x43\n\tHandshake\x12\x1b.kvxfer.v1.HandshakeRequest\x1a\x19.kvxfer.v1.HandshakeReply\x12\x43\n\tBootstrap\x12\x1b.kvxfer.v1.BootstrapRequest\x1a\x19.kvxfer.v1.BootstrapReply\x12\x43\n\tAllocSlot\x12\x1b.kvxfer.v1.AllocSlotRequest\x1a\x19.kvxfer.v1.AllocSlotReply\x12K\n\tWatermark\x12\x1f.kvxfer.v1.PeerWatermarkRequest\x1a\x1d.kvxfer.v1.PeerWatermarkReply\x12@\n\x08\x43omplete\x12\x1a.kvxfer.v1.CompleteRequest\x1a\x18.kvxfer.v1.CompleteReply\x12?\n\x05\x41\x62ort\x12\x1b.kvxfer.v1.PeerAbortRequest\x1a\x19.kvxfer.v1.PeerAbortReply\x12\x43\n\tHeartbeat\x12\x1b.kvxfer.v1.HeartbeatRequest\x1a\x19.kvxfer.v1.HeartbeatReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvxfer/v1/peer.proto\x12\tkvxfer.v1\x1a\x16kvxfer/v1/common.proto\"D\n\tDaemonRef\x12\x11\n\tdaemon_id\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\"\x91\x01\n\x10HandshakeRequest\x12$\n\x06sender\x18\x01 \x01(\x0b\x32\x14.kvxfer.v1.DaemonRef\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x15\n\rnixl_metadata\x18\x03 \x01(\x0c\x12\x0f\n\x07version\x18\x04 \x01(\tJ\x04\x08\x05\x10\x06R\x15nixl_metadata_updates\"\x8f\x01\n\x0eHandshakeReply\x12$\n\x06sender\x18\x01 \x01(\x0b\x32\x14.kvxfer.v1.DaemonRef\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x15\n\rnixl_metadata\x18\x03 \x01(\x0c\x12\x0f\n\x07version\x18\x04 \x01(\tJ\x04\x08\x05\x10\x06R\x15nixl_metadata_updates\"\x9a\x02\n\x10\x42ootstrapRequest\x12$\n\x06sender\x18\x01 \x01(\x0b\x32\x14.kvxfer.v1.DaemonRef\x12 \n\x04room\x18\x02 \x01(\x0b\x32\x12.kvxfer.v1.RoomKey\x12\x15\n\rprefill_group\x18\x03 \x01(\t\x12\x13\n\x0breader_rank\x18\x04 \x01(\r\x12\x11\n\tdecode_tp\x18\x05 \x01(\r\x12#\n\x06layout\x18\x06 \x01(\x0b\x32\x13.kvxfer.v1.KVLayout\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x08 \x01(\x04\x12,\n\tzero_copy\x18\t \x01(\x0b\x32\x19.kvxfer.v1.ZeroCopyTarget\"`\n\x0eZeroCopyTarget\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x11\n\tnum_slots\x18\x02 \x01(\x04\x12\x0b\n\x03mem\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\r\x12\r\n\x05pages\x18\x05 \x03(\r\"\\\n\x0e\x42ootstrapReply\x12\x12\n\nprefill_tp\x18\x01 \x01(\r\x12#\n\x06layout\x18\x02 \x01(\x0b\x32\x13.kvxfer.v1.KVLayout\x12\x11\n\tzero_copy\x18\x03 \x01(\x08\"\xb8\x01\n\x10\x41llocSlotRequest\x12$\n\x06sender\x18\x01 \x01(\x0b\x32\x14.kvxfer.v1.DaemonRef\x12 \n\x04room\x18\x02 \x01(\x0b\x32\x12.kvxfer.v1.RoomKey\x12\x10\n\x08\x63hunk_id\x18\x03 \x01(\r\x12\x13\n\x0breader_rank\x18\x04 \x01(\r\x12\x13\n\x0btoken_start\x18\x05 \x01(\r\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12\x0c\n\x04last\x18\x07 \x01(\x08\"_\n\x0e\x41llocSlotReply\x12\x0f\n\x07granted\x18\x01 \x01(\x08\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\x12\x0b\n\x03mem\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\r\"v\n\x14PeerWatermarkRequest\x12$\n\x06sender\x18\x01 \x01(\x0b\x32\x14.kvxfer.v1.DaemonRef\x12\x0c\n\x04ring\x18\x02 \x01(\t\x12*\n\twatermark\x18\x03 \x01(\x0b\x32\x17.kvxfer.v1.WatermarkPos\"\x14\n\x12PeerWatermarkReply\"\x8f\x01\n\x0f\x43ompleteRequest\x12$\n\x06sender\x18\x01 \x01(\x0b\x32\x14.kvxfer.v1.DaemonRef\x12 \n\x04room\x18\x02 \x01(\x0b\x32\x12.kvxfer.v1.RoomKey\x12\x13\n\x0breader_rank\x18\x03 \x01(\r\x12\x12\n\nnum_chunks\x18\x04 \x01(\r\x12\x0b\n\x03\x61ux\x18\x05 \x01(\x0c\"\x0f\n\rCompleteReply\"\xa2\x01\n\x10PeerAbortRequest\x12$\n\x06sender\x18\x01 \x01(\x0b\x32\x14.kvxfer.v1.DaemonRef\x12 \n\x04room\x18\x02 \x01(\x0b\x32\x12.kvxfer.v1.RoomKey\x12$\n\x04\x63ode\x18\x03 \x01(\x0e\x32\x16.kvxfer.v1.FailureCode\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x10\n\x08quiesced\x18\x05 \x01(\x08\"\x10\n\x0ePeerAbortReply\"8\n\x10HeartbeatRequest\x12$\n\x06sender\x18\x01 \x01(\x0b\x32\x14.kvxfer.v1.DaemonRef\"6\n\x0eHeartbeatReply\x12$\n\x06sender\x18\x01 \x01(\x0b\x32\x14.kvxfer.v1.DaemonRef2\xea\x03\n\x04Peer\x12\x43\n\tHandshake\x12\x1b.kvxfer.v1.HandshakeRequest\x1a\x19.kvxfer.v1.HandshakeReply\x12\x43\n\tBootstrap\x12\x1b.kvxfer.v1.BootstrapRequest\x1a\x19.kvxfer.v1.BootstrapReply\x12\x43\n\tAllocSlot\x12\x1b.kvxfer.v1.AllocSlotRequest\x1a\x19.kvxfer.v1.AllocSlotReply\x12K\n\tWatermark\x12\x1f.kvxfer.v1.PeerWatermarkRequest\x1a\x1d.kvxfer.v1.PeerWatermarkReply\x12@\n\x08\x43omplete\x12\x1a.kvxfer.v1.CompleteRequest\x1a\x18.kvxfer.v1.CompleteReply\x12?\n\x05\x41\x62ort\x12\x1b.kvxfer.v1.PeerAbortRequest\x1a\x19.kvxfer.v1.PeerAbortReply\x12\x43\n\tHeartbeat\x12\x1b.kvxfer.v1.HeartbeatRequest\x1a\x19.kvxfer.v1.HeartbeatReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,35 +35,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DAEMONREF']._serialized_start=59
   _globals['_DAEMONREF']._serialized_end=127
   _globals['_HANDSHAKEREQUEST']._serialized_start=130
-  _globals['_HANDSHAKEREQUEST']._serialized_end=277
-  _globals['_HANDSHAKEREPLY']._serialized_start=280
-  _globals['_HANDSHAKEREPLY']._serialized_end=425
-  _globals['_BOOTSTRAPREQUEST']._serialized_start=428
-  _globals['_BOOTSTRAPREQUEST']._serialized_end=710
-  _globals['_ZEROCOPYTARGET']._serialized_start=712
-  _globals['_ZEROCOPYTARGET']._serialized_end=808
-  _globals['_BOOTSTRAPREPLY']._serialized_start=810
-  _globals['_BOOTSTRAPREPLY']._serialized_end=902
-  _globals['_ALLOCSLOTREQUEST']._serialized_start=905
-  _globals['_ALLOCSLOTREQUEST']._serialized_end=1089
-  _globals['_ALLOCSLOTREPLY']._serialized_start=1091
-  _globals['_ALLOCSLOTREPLY']._serialized_end=1186
-  _globals['_PEERWATERMARKREQUEST']._serialized_start=1188
-  _globals['_PEERWATERMARKREQUEST']._serialized_end=1306
-  _globals['_PEERWATERMARKREPLY']._serialized_start=1308
-  _globals['_PEERWATERMARKREPLY']._serialized_end=1328
-  _globals['_COMPLETEREQUEST']._serialized_start=1331
-  _globals['_COMPLETEREQUEST']._serialized_end=1474
-  _globals['_COMPLETEREPLY']._serialized_start=1476
-  _globals['_COMPLETEREPLY']._serialized_end=1491
-  _globals['_PEERABORTREQUEST']._serialized_start=1494
-  _globals['_PEERABORTREQUEST']._serialized_end=1656
-  _globals['_PEERABORTREPLY']._serialized_start=1658
-  _globals['_PEERABORTREPLY']._serialized_end=1674
-  _globals['_HEARTBEATREQUEST']._serialized_start=1676
-  _globals['_HEARTBEATREQUEST']._serialized_end=1732
-  _globals['_HEARTBEATREPLY']._serialized_start=1734
-  _globals['_HEARTBEATREPLY']._serialized_end=1788
-  _globals['_PEER']._serialized_start=1791
-  _globals['_PEER']._serialized_end=2281
+  _globals['_HANDSHAKEREQUEST']._serialized_end=275
+  _globals['_HANDSHAKEREPLY']._serialized_start=278
+  _globals['_HANDSHAKEREPLY']._serialized_end=421
+  _globals['_BOOTSTRAPREQUEST']._serialized_start=424
+  _globals['_BOOTSTRAPREQUEST']._serialized_end=706
+  _globals['_ZEROCOPYTARGET']._serialized_start=708
+  _globals['_ZEROCOPYTARGET']._serialized_end=804
+  _globals['_BOOTSTRAPREPLY']._serialized_start=806
+  _globals['_BOOTSTRAPREPLY']._serialized_end=898
+  _globals['_ALLOCSLOTREQUEST']._serialized_start=901
+  _globals['_ALLOCSLOTREQUEST']._serialized_end=1085
+  _globals['_ALLOCSLOTREPLY']._serialized_start=1087
+  _globals['_ALLOCSLOTREPLY']._serialized_end=1182
+  _globals['_PEERWATERMARKREQUEST']._serialized_start=1184
+  _globals['_PEERWATERMARKREQUEST']._serialized_end=1302
+  _globals['_PEERWATERMARKREPLY']._serialized_start=1304
+  _globals['_PEERWATERMARKREPLY']._serialized_end=1324
+  _globals['_COMPLETEREQUEST']._serialized_start=1327
+  _globals['_COMPLETEREQUEST']._serialized_end=1470
+  _globals['_COMPLETEREPLY']._serialized_start=1472
+  _globals['_COMPLETEREPLY']._serialized_end=1487
+  _globals['_PEERABORTREQUEST']._serialized_start=1490
+  _globals['_PEERABORTREQUEST']._serialized_end=1652
+  _globals['_PEERABORTREPLY']._serialized_start=1654
+  _globals['_PEERABORTREPLY']._serialized_end=1670
+  _globals['_HEARTBEATREQUEST']._serialized_start=1672
+  _globals['_HEARTBEATREQUEST']._serialized_end=1728
+  _globals['_HEARTBEATREPLY']._serialized_start=1730
+  _globals['_HEARTBEATREPLY']._serialized_end=1784
+  _globals['_PEER']._serialized_start=1787
+  _globals['_PEER']._serialized_end=2277
 # @@protoc_insertion_point(module_scope)

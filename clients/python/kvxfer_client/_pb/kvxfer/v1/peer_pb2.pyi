@@ -18,32 +18,28 @@ class DaemonRef(_message.Message):
     def __init__(self, daemon_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("sender", "agent_name", "nixl_metadata", "version", "nixl_metadata_updates")
+    __slots__ = ("sender", "agent_name", "nixl_metadata", "version")
     SENDER_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     NIXL_METADATA_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
-    NIXL_METADATA_UPDATES_FIELD_NUMBER: _ClassVar[int]
     sender: DaemonRef
     agent_name: str
     nixl_metadata: bytes
     version: str
-    nixl_metadata_updates: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, sender: _Optional[_Union[DaemonRef, _Mapping]] = ..., agent_name: _Optional[str] = ..., nixl_metadata: _Optional[bytes] = ..., version: _Optional[str] = ..., nixl_metadata_updates: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    def __init__(self, sender: _Optional[_Union[DaemonRef, _Mapping]] = ..., agent_name: _Optional[str] = ..., nixl_metadata: _Optional[bytes] = ..., version: _Optional[str] = ...) -> None: ...
 
 class HandshakeReply(_message.Message):
-    __slots__ = ("sender", "agent_name", "nixl_metadata", "version", "nixl_metadata_updates")
+    __slots__ = ("sender", "agent_name", "nixl_metadata", "version")
     SENDER_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     NIXL_METADATA_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
-    NIXL_METADATA_UPDATES_FIELD_NUMBER: _ClassVar[int]
     sender: DaemonRef
     agent_name: str
     nixl_metadata: bytes
     version: str
-    nixl_metadata_updates: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, sender: _Optional[_Union[DaemonRef, _Mapping]] = ..., agent_name: _Optional[str] = ..., nixl_metadata: _Optional[bytes] = ..., version: _Optional[str] = ..., nixl_metadata_updates: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    def __init__(self, sender: _Optional[_Union[DaemonRef, _Mapping]] = ..., agent_name: _Optional[str] = ..., nixl_metadata: _Optional[bytes] = ..., version: _Optional[str] = ...) -> None: ...
 
 class BootstrapRequest(_message.Message):
     __slots__ = ("sender", "room", "prefill_group", "reader_rank", "decode_tp", "layout", "num_tokens", "deadline_unix_ms", "zero_copy")
