@@ -203,6 +203,37 @@ def agent_name_from_metadata(metadata: bytes) -> str | None:
         return None
 
 
+def nixl_api() -> Any:
+    """NIXL's Python API module (`nixl._api` of the backend wheel that fits this machine).
+
+    The `nixl` meta package picks nixl_cu12 or nixl_cu13 from torch's CUDA version, read off disk;
+    with a CPU-only torch there is none, and it imports torch to ask (2.5 s of a daemon's start on
+    the 2-core CI machine, for a daemon that never touches torch). In that case, and only then,
+    the installed backend wheel is imported directly, newest CUDA first, as the meta package's own
+    fallback does.
+    """
+    import importlib
+    import sys
+
+    if "nixl._api" in sys.modules or "torch" in sys.modules:
+        return importlib.import_module("nixl._api")
+    try:
+        from nixl_meta_utils import _torch_cuda_version_from_disk  # the meta package's own probe
+
+        cuda = _torch_cuda_version_from_disk()
+    except Exception:
+        cuda = "unknown"
+    if cuda is not None:
+        return importlib.import_module("nixl._api")
+    for backend in ("nixl_cu13", "nixl_cu12"):
+        try:
+            return importlib.import_module(f"{backend}._api")
+        except ModuleNotFoundError as exc:
+            if exc.name != backend:
+                raise
+    return importlib.import_module("nixl._api")
+
+
 def _as_str(name: str | bytes) -> str:
     return name.decode() if isinstance(name, bytes) else name
 
@@ -214,7 +245,8 @@ class NixlTransport:
                  fault_injector: FaultInjector | None = None) -> None:
         apply_ucx_env_defaults()
         try:
-            from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+            api = nixl_api()
+            nixl_agent, nixl_agent_config, nixl_thread_sync_t = api.nixl_agent, api.nixl_agent_config, api.nixl_thread_sync_t
         except ImportError as exc:
             raise TransportError(f"NIXL is not installed or does not load: {exc}") from exc
         self.name = name

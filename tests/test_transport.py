@@ -6,6 +6,8 @@ import ctypes
 import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +28,7 @@ from kvxferd.transport import (
     agent_name_from_metadata,
     coalesce,
 )
+from tests.conftest import ROOT
 
 MiB = 1 << 20
 
@@ -513,3 +516,18 @@ def test_changed_metadata_of_a_live_peer_replaces_its_entry() -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_daemon_transport_does_not_import_torch() -> None:
+    """The nixl meta package imports torch to choose a CUDA build when torch is a CPU build (~2.5 s
+    of every daemon start on the CI machine); the daemon never needs torch for a host-memory agent."""
+    code = (
+        "import sys\n"
+        "from kvxferd.transport import NixlTransport\n"
+        "t = NixlTransport('no-torch-probe')\n"
+        "t.close()\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stdout

@@ -650,7 +650,9 @@ _RAW_SEED = 0x5EED
 
 class _NixlSide:
     def __init__(self, name: str, nbytes: int, fill: bool) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
+        from kvxferd.transport import nixl_api
+
+        nixl_agent, nixl_agent_config = nixl_api().nixl_agent, nixl_api().nixl_agent_config
 
         self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self.buf = _touched_buffer(nbytes, fill)

@@ -61,7 +61,9 @@ def pattern_blocks(seed: int, total: int) -> Any:
 def _make_agent(name: str, progress_thread: bool) -> Any:
     # Imported here: the parent only needs NIXL once it starts, and a failed import should be
     # reported as a run failure, not an import error of the module.
-    from nixl._api import nixl_agent, nixl_agent_config
+    from kvxferd.transport import nixl_api
+
+    nixl_agent, nixl_agent_config = nixl_api().nixl_agent, nixl_api().nixl_agent_config
 
     agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
     if "UCX" not in agent.backends:
