@@ -60,7 +60,7 @@ class Metrics:
         self.heartbeat_misses = Counter(
             "kvxferd_heartbeat_misses", "Heartbeats to a peer that got no answer", ["peer"], registry=r
         )
-        self.peer_metadata_loads = Counter(
+        self.peer_metadata_reloads = Counter(
             "kvxferd_peer_metadata_reloads", "Live peers' NIXL metadata replaced after they registered or released memory",
             ["peer"], registry=r,
         )

@@ -139,6 +139,17 @@ def layouts_compatible(a: KVLayout, b: KVLayout) -> str:
     return ""
 
 
+def _ring_size(spec: EngineSpec) -> int:
+    return spec.cuda_ring.size if spec.cuda_ring is not None else spec.ring_bytes
+
+
+def _zero_copy_slot_bytes(spec: EngineSpec) -> int:
+    """Bytes of one token slot across a zero-copy pool's [layers, K/V] planes, for this rank's heads."""
+    lay, p = spec.layout, spec.parallel
+    heads = rank_heads(lay.total_kv_heads, p.tp_size, p.tp_rank, lay.mla).count
+    return lay.num_layers * lay.planes * heads * lay.head_dim * lay.dtype_bytes
+
+
 async def _run_inline(fn: Callable[..., Any], *args: Any) -> Any:
     return fn(*args)
 
@@ -259,9 +270,7 @@ class Node:
             raise InvalidArgument(f"lease_ms must be 100..3600000, got {spec.lease_ms}")
         if spec.zero_copy:
             lay = spec.layout
-            per_slot = lay.num_layers * lay.planes * rank_heads(lay.total_kv_heads, p.tp_size, p.tp_rank, lay.mla).count
-            per_slot *= lay.head_dim * lay.dtype_bytes
-            want = spec.cuda_ring.size if spec.cuda_ring is not None else spec.ring_bytes
+            per_slot, want = _zero_copy_slot_bytes(spec), _ring_size(spec)
             if want <= 0 or want % (per_slot * lay.page_size):
                 raise InvalidArgument(
                     f"zero-copy pool of {want} B is not a whole number of pages of "
@@ -287,6 +296,8 @@ class Node:
             raise
 
     def register_engine(self, spec: EngineSpec, cuda_importer: Callable[[EngineSpec], Ring] | None) -> Engine:
+        # Checked again after register_engine_async's import: the daemon may have started draining,
+        # or another rank registered the group with another layout, while the import ran.
         self.check_engine_spec(spec)
         p = spec.parallel
         if spec.cuda_ring is not None:
@@ -308,11 +319,7 @@ class Node:
             )
         pool_slots = 0
         if spec.zero_copy:
-            lay = spec.layout
-            per_slot = lay.num_layers * lay.planes * rank_heads(lay.total_kv_heads, p.tp_size, p.tp_rank, lay.mla).count
-            per_slot *= lay.head_dim * lay.dtype_bytes
-            want = spec.cuda_ring.size if spec.cuda_ring is not None else spec.ring_bytes
-            pool_slots = want // per_slot  # a whole number of pages: check_engine_spec
+            pool_slots = _ring_size(spec) // _zero_copy_slot_bytes(spec)  # whole pages: check_engine_spec
         # A restarted engine process re-registers the same rank: the old
         # registration is dead (its rooms fail, its mappings go).
         for other in list(self.engines.values()):

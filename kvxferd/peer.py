@@ -282,7 +282,7 @@ class PeerManager:
             self._lost(h, f"loading its new NIXL metadata failed: {exc}")
             raise
         h.metadata = metadata
-        self._metrics.peer_metadata_loads.labels(peer=h.daemon_id).inc()
+        self._metrics.peer_metadata_reloads.labels(peer=h.daemon_id).inc()
         logger.info("peer %s: NIXL metadata replaced (it registered or released memory)", h.daemon_id)
 
     def _lost(self, h: PeerHandle, reason: str) -> None:

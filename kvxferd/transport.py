@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import functools
 import logging
 import os
 import struct
@@ -203,6 +204,7 @@ def agent_name_from_metadata(metadata: bytes) -> str | None:
         return None
 
 
+@functools.cache
 def nixl_api() -> Any:
     """NIXL's Python API module (`nixl._api` of the backend wheel that fits this machine).
 

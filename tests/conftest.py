@@ -74,6 +74,13 @@ class DaemonProc:
             self.proc.wait(10)
 
 
+def daemon_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for a daemon subprocess: this one's, unbuffered, plus `env`. The daemon rejects
+    unknown KVXFERD_* settings, so a developer's shell must not change what a test starts."""
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("KVXFERD_")}
+    return {**inherited, "PYTHONUNBUFFERED": "1", **(env or {})}
+
+
 def spawn_daemon(
     workdir: Path, name: str, *extra: str, env: dict[str, str] | None = None, wait: bool = True,
     peer_listen: str = "127.0.0.1:0", pool: str = "64MiB",
@@ -87,11 +94,8 @@ def spawn_daemon(
         "--metrics-port", "0", "--host-pool-bytes", pool, "--daemon-id", name, "--ready-file", str(ready),
         "--log-format", "text", "--set", "heartbeat_interval_s=0.5", *extra,
     ]
-    # The daemon rejects unknown KVXFERD_* settings; a developer's shell must not change what a test starts.
-    inherited = {k: v for k, v in os.environ.items() if not k.startswith("KVXFERD_")}
-    full_env = {**inherited, "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log, "ab") as fh:
-        proc = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT)
+        proc = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, env=daemon_env(env), cwd=ROOT)
     d = DaemonProc(name, proc, sock, log, ready, args)
     if wait:
         wait_ready(d)

@@ -650,11 +650,9 @@ _RAW_SEED = 0x5EED
 
 class _NixlSide:
     def __init__(self, name: str, nbytes: int, fill: bool) -> None:
-        from kvxferd.transport import nixl_api
+        from kvxferd.bench.raw_nixl import _make_agent
 
-        nixl_agent, nixl_agent_config = nixl_api().nixl_agent, nixl_api().nixl_agent_config
-
-        self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        self.agent = _make_agent(name, progress_thread=False)
         self.buf = _touched_buffer(nbytes, fill)
         self.addr = int(self.buf.ctypes.data)
         self.agent.register_memory([(self.addr, nbytes, 0, "")], "DRAM")

@@ -63,9 +63,8 @@ def _make_agent(name: str, progress_thread: bool) -> Any:
     # reported as a run failure, not an import error of the module.
     from kvxferd.transport import nixl_api
 
-    nixl_agent, nixl_agent_config = nixl_api().nixl_agent, nixl_api().nixl_agent_config
-
-    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
+    api = nixl_api()
+    agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
     if "UCX" not in agent.backends:
         raise RawNixlError("NIXL has no UCX backend on this machine")
     return agent

@@ -31,7 +31,7 @@ import numpy as np
 
 from kvxfer_client import DecodeReceiver, KvxferError, Layout, PrefillSender, RoomState
 from kvxfer_client._pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc
-from tests.conftest import ROOT, DaemonProc, wait_ready
+from tests.conftest import ROOT, DaemonProc, daemon_env, wait_ready
 from tests.engine_procs import RoomPlan, part_bytes_for
 
 # 2 layers x 2 KV heads x K/V x 64 dims x 2 B = 1 KiB per token for a TP-1 rank.
@@ -65,11 +65,8 @@ def launch(
 
 
 def _popen(args: list[str], log: Path, env: dict[str, str] | None) -> subprocess.Popen[bytes]:
-    # The daemon rejects unknown KVXFERD_* settings; a developer's shell must not change what a test starts.
-    inherited = {k: v for k, v in os.environ.items() if not k.startswith("KVXFERD_")}
-    full_env = {**inherited, "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log, "ab") as fh:
-        return subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT)
+        return subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, env=daemon_env(env), cwd=ROOT)
 
 
 def launch_pair(workdir: Path, started: list[DaemonProc], *extra: str, **kw: Any) -> tuple[DaemonProc, DaemonProc]:
@@ -143,15 +140,13 @@ def assert_alive(*ds: DaemonProc) -> None:
 
 def inject_transfer_errors(d: DaemonProc, n: int) -> None:
     """Test-only hook (daemon started with fault_injection=true): the next n NIXL posts end in ERROR."""
-    ctl = Path(d.socket + ".faults")
-    tmp = ctl.with_suffix(".tmp")
-    tmp.write_text(f"{n}\n")
-    os.replace(tmp, ctl)
+    fault_command(d, str(n))
 
 
 def fault_command(d: DaemonProc, command: str) -> None:
-    """Test-only hook: `register BYTES` / `release` change the daemon's NIXL metadata as importing
-    or releasing a GPU ring does (see kvxferd.app._fault_control)."""
+    """Test-only hook (fault_injection=true), one command of kvxferd.app._fault_control: `N` fails the
+    next N NIXL posts; `register BYTES` / `release` change the daemon's NIXL metadata as importing
+    or releasing a GPU ring does."""
     ctl = Path(d.socket + ".faults")
     wait_until(lambda: not ctl.exists(), 5, "the previous fault command to be taken")
     tmp = ctl.with_suffix(".tmp")
