@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import grp
 import ipaddress
 import json
 import logging
-import mmap
 import os
 import signal
 import socket
@@ -25,8 +23,8 @@ import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -36,17 +34,17 @@ from kvxfer_client._pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc, peer_pb2, p
 from kvxferd import __version__
 from kvxferd.config import Config
 from kvxferd.domain import FailureCode
+from kvxferd.faults import FAULT_CONTROL_SUFFIX, PostDelay, fault_control
 from kvxferd.memory import HostPool
 from kvxferd.metrics import Metrics, start_metrics_server
 from kvxferd.node import Node
-from kvxferd.peer import PeerManager, PeerServicer, grpc_options
-from kvxferd.scheduler import Scheduler
+from kvxferd.peer_link import grpc_options
+from kvxferd.peer_servicer import PEER_UNARY, PeerServicer
+from kvxferd.peers import PeerManager
+from kvxferd.ports import Identity
 from kvxferd.servicer import EngineServicer, wrap_servicer
-from kvxferd.transport import Transport
+from kvxferd.transport import FaultInjector, LocalTransport, NixlTransport, Transport
 from kvxferd.workers import WorkerPool
-
-if TYPE_CHECKING:
-    from kvxferd.transport import FaultInjector
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +52,6 @@ ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
 PEER_SERVICE = peer_pb2.DESCRIPTOR.services_by_name["Peer"].full_name
 # After the last room finished, how long a drain waits for engines to read the outcomes.
 DRAIN_LINGER_S = 2.0
-PEER_UNARY = ("Handshake", "Bootstrap", "AllocSlot", "Watermark", "Complete", "Abort", "Heartbeat")
 
 
 class StartupError(RuntimeError):
@@ -103,11 +100,7 @@ def setup_logging(config: Config) -> None:
 
 def make_transport(config: Config, name: str, injector: FaultInjector | None = None) -> Transport:
     if config.transport == "local":
-        from kvxferd.transport import LocalTransport
-
         return LocalTransport(name)
-    from kvxferd.transport import FaultInjector, NixlTransport
-
     if injector is None and config.fault_injection:
         injector = FaultInjector()
     with _ucx_devices(config):
@@ -134,62 +127,6 @@ def _ucx_devices(config: Config) -> Iterator[None]:
         yield
     finally:
         os.environ.pop("UCX_NET_DEVICES", None)
-
-
-FAULT_CONTROL_SUFFIX = ".faults"
-
-
-async def _fault_control(path: str, injector: FaultInjector, node: Node, workers: WorkerPool) -> None:
-    """Test-only (fault_injection = true), driven by writing one command to `<socket>.faults`:
-
-    - `N`: the next N NIXL posts end in ERROR, so tests can fail a transfer inside a subprocess daemon;
-    - `register BYTES` / `release`: register a new DRAM region with NIXL (release: the oldest such
-      region) and bump the metadata epoch, as importing or releasing an engine's GPU ring does, so
-      CPU tests exercise re-handshakes with changed NIXL metadata while rooms are in flight.
-
-    The file sits next to the socket, in a directory only the daemon's user can write; the hook
-    does not exist unless fault_injection is on."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)  # a leftover of an earlier run must not fire now
-    scratch: list[tuple[mmap.mmap, int]] = []
-    try:
-        while True:
-            await asyncio.sleep(0.05)
-            try:
-                with open(path) as fh:
-                    text = fh.read()
-                os.unlink(path)
-            except FileNotFoundError:
-                continue
-            words = text.split()
-            try:
-                if len(words) == 1 and words[0].isdigit():
-                    injector.fail_next(int(words[0]))
-                    logger.warning("fault injection: the next %s NIXL transfer(s) will end in ERROR", words[0])
-                elif len(words) == 2 and words[0] == "register" and words[1].isdigit():
-                    m = mmap.mmap(-1, int(words[1]))
-                    buf = ctypes.c_char.from_buffer(m)
-                    addr = ctypes.addressof(buf)
-                    del buf  # a live export would keep m.close() from unmapping it
-                    await workers.run_blocking(node.transport.register_region, addr, len(m), "DRAM", 0)
-                    scratch.append((m, addr))
-                    node.md_epoch += 1
-                    logger.warning("fault injection: registered %d B at 0x%x (metadata epoch %d)", len(m), addr,
-                                   node.md_epoch)
-                elif words == ["release"] and scratch:
-                    m, addr = scratch.pop(0)
-                    await workers.run_blocking(node.transport.deregister_region, addr)
-                    m.close()  # unmapped: the next region may land at the same address, like a GPU ring
-                    node.md_epoch += 1
-                    logger.warning("fault injection: released a region (metadata epoch %d)", node.md_epoch)
-                else:
-                    logger.warning("fault injection: unknown command %r in %s", text[:40], path)
-            except Exception as exc:
-                logger.warning("fault injection: %r failed: %s", text[:40], exc)
-    finally:
-        for _, addr in scratch:
-            with contextlib.suppress(Exception):
-                node.transport.deregister_region(addr)
 
 
 def _prepare_socket(path: str) -> None:
@@ -234,6 +171,183 @@ def _cuda_importer(transport: Transport) -> Callable[..., Any]:
     return make_cuda_importer(transport)
 
 
+@dataclass
+class _Daemon:
+    """Everything a running daemon holds, built by _start and taken apart by _close."""
+
+    config: Config
+    metrics: Metrics
+    pool: HostPool
+    transport: Transport | None = None
+    workers: WorkerPool | None = None
+    node: Node | None = None
+    peers: PeerManager | None = None
+    health: health.aio.HealthServicer | None = None
+    servers: list[grpc.aio.Server] = field(default_factory=list)
+    metrics_server: asyncio.AbstractServer | None = None
+    background: list[asyncio.Future[Any]] = field(default_factory=list)
+
+
+async def _start(d: _Daemon, ready: Callable[[Ready], None] | None) -> None:
+    """Builds every part, binds every listener, and reports SERVING."""
+    config, metrics, pool = d.config, d.metrics, d.pool
+    loop = asyncio.get_running_loop()
+    instance = pool.tag
+    injector: FaultInjector | None = None
+    delays = PostDelay()
+    try:
+        if config.fault_injection and config.transport == "nixl":
+            injector = FaultInjector()
+        d.transport = transport = make_transport(config, f"kvxferd-{instance}", injector)
+        transport.register_region(pool.base_addr, pool.size, "DRAM", 0)
+    except Exception as exc:
+        raise StartupError(f"cannot start the NIXL agent: {exc}") from exc
+    ident = Identity(config.daemon_id, instance + uuid.uuid4().hex[:8])
+    d.node = node = Node(config, pool, metrics, ident)
+    d.workers = workers = WorkerPool(transport, loop, config.workers,
+                                     post_delay=delays.take if config.fault_injection else None)
+    d.peers = peers = PeerManager(ident, config, transport, workers, metrics, node, node.spawn)
+    node.attach(workers, peers.window, peers.connect, peers.all)
+
+    d.health = health_servicer = health.aio.HealthServicer()
+    opts = grpc_options(config)
+    engine_server = grpc.aio.server(options=[*opts, ("grpc.so_reuseport", 0)])
+    peer_server = grpc.aio.server(options=[*opts, ("grpc.so_reuseport", 0)])
+    d.servers = [engine_server, peer_server]
+    engine_pb2_grpc.add_EngineServicer_to_server(
+        EngineServicer(node, metrics, _cuda_importer(transport)), engine_server)
+    peer_servicer = PeerServicer(ident, peers, transport)
+    wrap_servicer(peer_servicer, "Peer", metrics, PEER_UNARY)
+    peer_pb2_grpc.add_PeerServicer_to_server(peer_servicer, peer_server)
+    for srv in d.servers:
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, srv)
+    reflection.enable_server_reflection((ENGINE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), engine_server)
+    reflection.enable_server_reflection((PEER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), peer_server)
+
+    _prepare_socket(config.socket)
+    # Created private (umask) so no other user can connect in the moment before the chmod below
+    # sets the configured mode.
+    old_umask = os.umask(0o177)
+    try:
+        _bind(engine_server, f"unix:{config.socket}", None, "engine API socket")
+    finally:
+        os.umask(old_umask)
+    engine_tcp = ""
+    creds = _server_credentials(config)
+    if config.listen:
+        port = _bind(engine_server, config.listen, creds, "engine API")
+        engine_tcp = f"{config.listen.rpartition(':')[0]}:{port}"
+    peer_port = _bind(peer_server, config.peer_listen, creds, "peer service")
+    peer_host = config.peer_listen.rpartition(":")[0]
+    ident.address = config.advertise_address or f"{peer_host}:{peer_port}"
+    ident.daemon_id = config.daemon_id or f"{socket.gethostname()}:{peer_port}"
+
+    for srv in d.servers:
+        await srv.start()
+    os.chmod(config.socket, config.socket_mode)
+    if config.socket_group:
+        try:
+            gid = grp.getgrnam(config.socket_group).gr_gid
+            os.chown(config.socket, -1, gid)
+            # Engines of that group must also map the host pool their rings live in.
+            os.chown(pool.path, -1, gid)
+        except (KeyError, PermissionError) as exc:
+            raise StartupError(f"cannot give the socket to group {config.socket_group!r}: {exc}") from exc
+    metrics_port = -1
+    if config.metrics_port >= 0:
+        try:
+            d.metrics_server, metrics_port = await start_metrics_server(
+                config.metrics_host, config.metrics_port, metrics.registry
+            )
+        except OSError as exc:
+            raise StartupError(
+                f"cannot serve metrics on {config.metrics_host}:{config.metrics_port}: {exc.strerror}"
+            ) from exc
+    workers.start()
+    workers.start_notif_poller(node.on_notifs)
+    peers.start()
+    for svc in ("", ENGINE_SERVICE, PEER_SERVICE):
+        await health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
+    d.background.append(asyncio.ensure_future(_sweep(node)))
+    if injector is not None:
+        d.background.append(asyncio.ensure_future(fault_control(
+            config.socket + FAULT_CONTROL_SUFFIX, injector, delays, transport, ident, workers.run_blocking)))
+    logger.info(
+        "kvxferd %s serving: daemon %s, socket %s, peer %s, metrics %s:%d, pool %d MiB",
+        __version__, ident.daemon_id, config.socket, ident.address, config.metrics_host, metrics_port,
+        pool.size >> 20,
+    )
+    if ready is not None:
+        ready(Ready(ident.daemon_id, config.socket, ident.address, metrics_port, engine_tcp, os.getpid()))
+
+
+async def _wait(shutdown_trigger: asyncio.Event | Awaitable[Any] | None, install_signal_handlers: bool) -> None:
+    """Until the trigger fires or SIGTERM/SIGINT arrives (a second SIGINT exits at once)."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    if install_signal_handlers:
+        def _on_signal(sig: int) -> None:
+            if stop.is_set():
+                logger.warning("second signal %d: exiting without drain", sig)
+                os._exit(130)
+            logger.info("signal %d: draining", sig)
+            stop.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, _on_signal, sig)
+    waiters = [asyncio.ensure_future(stop.wait())]
+    if shutdown_trigger is not None:
+        trig = shutdown_trigger.wait() if isinstance(shutdown_trigger, asyncio.Event) else shutdown_trigger
+        waiters.append(asyncio.ensure_future(trig))
+    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    for w in waiters:
+        w.cancel()
+
+
+async def _drain(d: _Daemon) -> None:
+    """NOT_SERVING, refuse new work, give rooms in flight `drain_grace_s`, fail the rest."""
+    node, workers, config = d.node, d.workers, d.config
+    assert node is not None and workers is not None and d.health is not None
+    node.serving = False
+    await d.health.enter_graceful_shutdown()
+    t0 = time.monotonic()
+    while (node.active_rooms() or workers.in_flight) and time.monotonic() - t0 < config.drain_grace_s:
+        await asyncio.sleep(0.02)
+    # Engines learn outcomes by event or poll: a short linger (inside the grace) lets them read
+    # SUCCESS/FAILED of the last rooms instead of finding the socket closed.
+    linger_until = min(t0 + config.drain_grace_s, time.monotonic() + DRAIN_LINGER_S)
+    while node.unread_rooms() and time.monotonic() < linger_until:
+        await asyncio.sleep(0.02)
+    left = node.active_rooms()
+    if left:
+        logger.warning("drain grace over: failing %d unfinished room(s)", left)
+        node.fail_all(FailureCode.SHUTDOWN, "daemon shut down before the room finished")
+        await asyncio.sleep(0.1)
+    logger.info("drained in %.2f s", time.monotonic() - t0)
+
+
+async def _close(d: _Daemon) -> None:
+    """Stops every part, in reverse order of _start; safe on a half-started daemon."""
+    for task in d.background:
+        task.cancel()
+    if d.peers is not None:
+        await d.peers.stop()
+    for srv in d.servers:
+        await srv.stop(0.5)
+    if d.metrics_server is not None:
+        d.metrics_server.close()
+    if d.workers is not None:
+        d.workers.stop()
+    if d.transport is not None:
+        try:
+            d.transport.close()
+        except Exception as exc:
+            logger.warning("closing the transport failed: %s", exc)
+    d.pool.close()
+    with contextlib.suppress(OSError):
+        os.unlink(d.config.socket)
+
+
 async def serve(
     config: Config,
     shutdown_trigger: asyncio.Event | Awaitable[Any] | None = None,
@@ -241,167 +355,19 @@ async def serve(
     install_signal_handlers: bool = False,
 ) -> int:
     """Runs the daemon until the trigger fires (or a signal); returns the exit code."""
-    loop = asyncio.get_running_loop()
-    metrics = Metrics()
     instance = uuid.uuid4().hex[:12]
     try:
         pool = HostPool(config.shm_dir, config.host_pool_bytes, instance, mode=config.socket_mode | 0o600)
     except OSError as exc:
         raise StartupError(f"cannot create the host pool in {config.shm_dir}: {exc.strerror}") from exc
-    transport: Transport | None = None
-    workers: WorkerPool | None = None
-    servers: list[grpc.aio.Server] = []
-    metrics_server: asyncio.AbstractServer | None = None
+    d = _Daemon(config, Metrics(), pool)
     try:
-        injector: FaultInjector | None = None
-        try:
-            if config.fault_injection and config.transport == "nixl":
-                from kvxferd.transport import FaultInjector
-
-                injector = FaultInjector()
-            transport = make_transport(config, f"kvxferd-{instance}", injector)
-            transport.register_region(pool.base_addr, pool.size, "DRAM", 0)
-        except Exception as exc:
-            raise StartupError(f"cannot start the NIXL agent: {exc}") from exc
-        node = Node(config, transport, pool, metrics)
-        node.instance_id = instance + uuid.uuid4().hex[:8]
-        workers = WorkerPool(transport, loop, config.workers)
-        node.run_blocking = workers.run_blocking
-        node.scheduler = Scheduler(node, workers, metrics)
-        peers = PeerManager(node, config, workers, metrics)
-        node.peers = peers
-
-        health_servicer = health.aio.HealthServicer()
-        opts = grpc_options(config)
-        engine_server = grpc.aio.server(options=[*opts, ("grpc.so_reuseport", 0)])
-        peer_server = grpc.aio.server(options=[*opts, ("grpc.so_reuseport", 0)])
-        servers = [engine_server, peer_server]
-        engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(node, metrics, _cuda_importer(transport)), engine_server)
-        peer_servicer = PeerServicer(node, peers)
-        wrap_servicer(peer_servicer, "Peer", metrics, PEER_UNARY)
-        peer_pb2_grpc.add_PeerServicer_to_server(peer_servicer, peer_server)
-        for srv in servers:
-            health_pb2_grpc.add_HealthServicer_to_server(health_servicer, srv)
-        reflection.enable_server_reflection(
-            (ENGINE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), engine_server
-        )
-        reflection.enable_server_reflection((PEER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), peer_server)
-
-        _prepare_socket(config.socket)
-        # Created private (umask) so no other user can connect in the moment before the chmod
-        # below sets the configured mode.
-        old_umask = os.umask(0o177)
-        try:
-            _bind(engine_server, f"unix:{config.socket}", None, "engine API socket")
-        finally:
-            os.umask(old_umask)
-        engine_tcp = ""
-        creds = _server_credentials(config)
-        if config.listen:
-            port = _bind(engine_server, config.listen, creds, "engine API")
-            engine_tcp = f"{config.listen.rpartition(':')[0]}:{port}"
-        peer_port = _bind(peer_server, config.peer_listen, creds, "peer service")
-        peer_host = config.peer_listen.rpartition(":")[0]
-        node.address = config.advertise_address or f"{peer_host}:{peer_port}"
-        node.daemon_id = config.daemon_id or f"{socket.gethostname()}:{peer_port}"
-
-        for srv in servers:
-            await srv.start()
-        os.chmod(config.socket, config.socket_mode)
-        if config.socket_group:
-            try:
-                gid = grp.getgrnam(config.socket_group).gr_gid
-                os.chown(config.socket, -1, gid)
-                # Engines of that group must also map the host pool their rings live in.
-                os.chown(pool.path, -1, gid)
-            except (KeyError, PermissionError) as exc:
-                raise StartupError(f"cannot give the socket to group {config.socket_group!r}: {exc}") from exc
-        metrics_port = -1
-        if config.metrics_port >= 0:
-            try:
-                metrics_server, metrics_port = await start_metrics_server(
-                    config.metrics_host, config.metrics_port, metrics.registry
-                )
-            except OSError as exc:
-                raise StartupError(
-                    f"cannot serve metrics on {config.metrics_host}:{config.metrics_port}: {exc.strerror}"
-                ) from exc
-        workers.start()
-        workers.start_notif_poller(node.on_notifs)
-        peers.start()
-        for svc in ("", ENGINE_SERVICE, PEER_SERVICE):
-            await health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
-        sweeper = asyncio.ensure_future(_sweep(node))
-        if injector is not None:
-            faults = asyncio.ensure_future(_fault_control(config.socket + FAULT_CONTROL_SUFFIX, injector, node, workers))
-            sweeper.add_done_callback(lambda _: faults.cancel())
-        logger.info(
-            "kvxferd %s serving: daemon %s, socket %s, peer %s, metrics %s:%d, pool %d MiB",
-            __version__, node.daemon_id, config.socket, node.address, config.metrics_host, metrics_port,
-            pool.size >> 20,
-        )
-        if ready is not None:
-            ready(Ready(node.daemon_id, config.socket, node.address, metrics_port, engine_tcp, os.getpid()))
-
-        stop = asyncio.Event()
-        forced = asyncio.Event()
-        if install_signal_handlers:
-            def _on_signal(sig: int) -> None:
-                if stop.is_set():
-                    logger.warning("second signal %d: exiting without drain", sig)
-                    forced.set()
-                    os._exit(130)
-                logger.info("signal %d: draining", sig)
-                stop.set()
-
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, _on_signal, sig)
-        waiters = [asyncio.ensure_future(stop.wait())]
-        if shutdown_trigger is not None:
-            trig = shutdown_trigger.wait() if isinstance(shutdown_trigger, asyncio.Event) else shutdown_trigger
-            waiters.append(asyncio.ensure_future(trig))
-        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-        for w in waiters:
-            w.cancel()
-
-        # Drain.
-        node.serving = False
-        for svc in ("", ENGINE_SERVICE, PEER_SERVICE):
-            await health_servicer.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
-        t0 = time.monotonic()
-        while (node.active_rooms() or workers.in_flight) and time.monotonic() - t0 < config.drain_grace_s:
-            await asyncio.sleep(0.02)
-        # Engines learn a room's outcome by polling it: a short linger (inside the grace) lets
-        # them read SUCCESS/FAILED of the last rooms instead of finding the socket closed.
-        linger_until = min(t0 + config.drain_grace_s, time.monotonic() + DRAIN_LINGER_S)
-        while node.unread_rooms() and time.monotonic() < linger_until:
-            await asyncio.sleep(0.02)
-        left = node.active_rooms()
-        if left:
-            logger.warning("drain grace over: failing %d unfinished room(s)", left)
-            node.fail_all(FailureCode.SHUTDOWN, "daemon shut down before the room finished")
-            await asyncio.sleep(0.1)
-        logger.info("drained in %.2f s", time.monotonic() - t0)
-        sweeper.cancel()
-        await peers.stop()
+        await _start(d, ready)
+        await _wait(shutdown_trigger, install_signal_handlers)
+        await _drain(d)
         return 0
     finally:
-        for srv in servers:
-            await srv.stop(0.5)
-        if metrics_server is not None:
-            metrics_server.close()
-        if workers is not None:
-            workers.stop()
-        if transport is not None:
-            try:
-                transport.close()
-            except Exception as exc:
-                logger.warning("closing the transport failed: %s", exc)
-        pool.close()
-        try:
-            os.unlink(config.socket)
-        except OSError:
-            pass
+        await _close(d)
 
 
 async def _sweep(node: Node) -> None:

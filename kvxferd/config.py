@@ -63,6 +63,10 @@ class Config:
     host_pool_bytes: int = 256 << 20
     shm_dir: str = "/dev/shm"
     workers: int = 2
+    # A reader ring is granted to a prefill daemon in windows of ring_size / credit_split bytes
+    # (more windows on demand): 1 gives one peer the whole ring at once, larger values share a
+    # decode engine's ring more evenly among many prefill daemons.
+    credit_split: int = 4
     nixl_progress_thread: bool = False
     heartbeat_interval_s: float = 1.0
     heartbeat_misses: int = 2
@@ -100,6 +104,8 @@ class Config:
             raise ConfigError(f"host_pool_bytes must be at least 1 MiB, got {self.host_pool_bytes}")
         if not 1 <= self.workers <= 256:
             raise ConfigError(f"workers must be 1..256, got {self.workers}")
+        if not 1 <= self.credit_split <= 1024:
+            raise ConfigError(f"credit_split must be 1..1024, got {self.credit_split}")
         for key in ("heartbeat_interval_s", "engine_lease_s", "room_deadline_s"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key} must be > 0, got {getattr(self, key)}")

@@ -121,6 +121,7 @@ class HostPool:
 
     def __init__(self, shm_dir: str, size: int, tag: str, mode: int = 0o600) -> None:
         self.size = align_up(size, REGION_ALIGN)
+        self.tag = tag
         _remove_stale_pools(shm_dir)
         self.path = str(Path(shm_dir) / f"kvxferd-{os.getpid()}-{tag}.pool")
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)

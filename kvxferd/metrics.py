@@ -64,6 +64,16 @@ class Metrics:
             "kvxferd_peer_metadata_reloads", "Live peers' NIXL metadata replaced after they registered or released memory",
             ["peer"], registry=r,
         )
+        self.credits = Counter(
+            "kvxferd_credits", "Slot credits by event (granted, requested, returned, revoked, freed, "
+            "quarantine_expired)", ["event"], registry=r,
+        )
+        self.peer_batches = Counter(
+            "kvxferd_peer_batches", "Batches on peer control streams", ["direction"], registry=r
+        )
+        self.peer_messages = Counter(
+            "kvxferd_peer_messages", "Messages on peer control streams", ["direction"], registry=r
+        )
         for role in ("prefill", "decode"):
             self.engines.labels(role=role).set(0)
             for state in ("BOOTSTRAPPING", "WAITING_FOR_INPUT", "TRANSFERRING", "SUCCESS", "FAILED"):

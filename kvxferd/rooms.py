@@ -11,14 +11,13 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
-from kvxferd.domain import ChunkSpec, FailureCode, RoomKey, RoomState, ZeroCopyTarget
+from kvxferd.credits import HeldRange
+from kvxferd.domain import ChunkSpec, FailureCode, LandedChunk, RoomKey, RoomState, SlotRef, ZeroCopyTarget
+from kvxferd.engines import Engine
 from kvxferd.layout import HeadSlice, KVLayout
-
-if TYPE_CHECKING:
-    from kvxferd.node import Engine
-    from kvxferd.peer import PeerHandle
+from kvxferd.ports import Link
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +35,7 @@ class RoomBase:
         self.deadline_s = deadline_s
         self.deadline_handle: asyncio.TimerHandle | None = None
         self.gc_handle: asyncio.TimerHandle | None = None
-        self.peer: PeerHandle | None = None
+        self.peer: Link | None = None
         self.layout: KVLayout | None = None
         self.plan: tuple[HeadSlice, ...] | None = None
         self.num_tokens: int | None = None
@@ -92,13 +91,14 @@ class WriterState:
 
 
 @dataclass(eq=False)
-class DestSlot:
-    address: int
-    length: int
-    mem: str
-    device: int
+class Dest:
+    """The destination of one (chunk, reader): a range of a credit, shared by every writer of the
+    chunk. Until the range is carved, the chunks of writers that arrived wait here."""
+
     token_start: int
     num_tokens: int
+    range: HeldRange | None = None
+    waiting: list[OutChunk] = field(default_factory=list)
 
 
 class SendRoom(RoomBase):
@@ -114,14 +114,18 @@ class SendRoom(RoomBase):
         self.decode_tp: int | None = None
         self.readers: set[int] = set()
         self.writers: dict[int, WriterState] = {}
-        self.dest: dict[tuple[int, int], asyncio.Future[DestSlot]] = {}
-        self.bootstrapped = asyncio.Event()
+        # (chunk id, reader) -> destination; reader -> the reader engine's ring (its credits).
+        self.dest: dict[tuple[int, int], Dest] = {}
+        self.reader_rings: dict[int, str] = {}
+        self.bootstrapped = False
+        # Chunks enqueued before every reader bootstrapped.
+        self.pending: list[OutChunk] = []
         self.in_flight = 0
         self.complete_sent = False
+        self.acks_pending: set[int] = set()
         # Zero-copy rooms write pages of each reader's KV pool directly (no slots).
         self.zero_copy = False
         self.zc_targets: dict[int, ZeroCopyTarget] = {}
-        self.quiesce_sent = False
         self.first_chunk_at: float | None = None
 
     def all_writers_finished(self) -> bool:
@@ -142,6 +146,9 @@ class InSlot:
     last: bool
     chunk_bytes: int
     expected_writers: frozenset[int]
+    # Where the prefill side wrote it: credit id and offset inside the credit (0, 0: zero-copy).
+    credit_id: int = 0
+    credit_offset: int = 0
     landed_writers: set[int] = field(default_factory=set)
     landed: bool = False
     consumed: bool = False
@@ -155,8 +162,6 @@ class ReaderState:
     slots: dict[int, InSlot] = field(default_factory=dict)
     num_chunks: int | None = None
     released: bool = False
-    # An AllocSlot arrived before our Bootstrap reply did (the prefill side asks again when told).
-    alloc_early: bool = False
     # Zero-copy reader: destination pages of the room's tokens.
     pages: tuple[int, ...] = ()
 
@@ -185,6 +190,11 @@ class RecvRoom(RoomBase):
         self.layout = layout
         self.prefill_tp: int | None = None
         self.readers: dict[int, ReaderState] = {}
-        # Unlanded slots may still receive a late NIXL write from the prefill
-        # side; they are only reused once the sender says it is quiesced.
-        self.quiesced = False
+        # The prefill side was told we hold no range of this room any more.
+        self.ranges_released = False
+        # Landed notifications that arrived before the bootstrap reply (kvxferd.notif.Notif).
+        self.early: list[Any] = []
+
+
+def landed_view(cid: int, s: InSlot) -> LandedChunk:
+    return LandedChunk(cid, SlotRef(max(0, s.offset), s.length), s.token_start, s.num_tokens, s.last, s.chunk_bytes)

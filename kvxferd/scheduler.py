@@ -1,186 +1,185 @@
-"""Prefill-side scheduler: admits enqueued chunks, gets destination slots, dispatches to workers.
+"""Prefill-side scheduler: turns an accepted chunk into WRITEs, with no task and no round trip.
 
-Every chunk waits on its own (bootstrap, destination slot) without blocking any
-other room; a chunk whose destination ring is full is re-tried when the decode
-daemon pushes a watermark. Work is sharded by destination peer over the workers
-so one slow peer only occupies its own worker.
+A chunk waits for exactly two things, each as a callback, never as a parked coroutine: its
+room's bootstrap (every reader known), and a destination range per reader carved from the
+credits the decode daemon granted (`CreditWindow.take`). A reader ring with no free credit
+makes only the chunks bound for it wait; other rooms go on. Work is sharded by destination peer
+over the workers so one slow peer only occupies its own worker.
 """
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import logging
 import zlib
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
-import grpc
-
+from kvxferd.credits import CreditWindow, HeldRange
 from kvxferd.domain import FailureCode
-from kvxferd.layout import HeadSlice, bytes_per_head
+from kvxferd.layout import HeadSlice, bytes_per_head, part_bytes
 from kvxferd.metrics import Metrics
-from kvxferd.rooms import DestSlot, OutChunk, SendRoom
+from kvxferd.notif import encode_notif
+from kvxferd.ports import Link
+from kvxferd.rooms import Dest, OutChunk, SendRoom
 from kvxferd.transport import XferState
 from kvxferd.workers import TransferJob, WorkerPool
 
-if TYPE_CHECKING:
-    from kvxferd.node import Node
-
 logger = logging.getLogger(__name__)
-
-# Fallback re-try for a full destination ring if a watermark push was lost.
-_SLOT_RETRY_S = 0.25
 
 
 class Scheduler:
-    def __init__(self, node: Node, workers: WorkerPool, metrics: Metrics) -> None:
-        self._node = node
+    def __init__(
+        self, workers: WorkerPool, metrics: Metrics, window: Callable[[Link], CreditWindow],
+        chunk_done: Callable[[SendRoom, OutChunk], None], fail: Callable[[SendRoom, FailureCode, str], None],
+        local_notif: Callable[[bytes], None],
+    ) -> None:
         self._workers = workers
         self._metrics = metrics
-        self._admitted = 0
-        self._waiting_slot = 0
-        # Label children looked up once: labels() costs several µs and runs per chunk.
-        self._q_admit = metrics.queue_depth.labels(queue="admit")
+        self._window = window
+        self._chunk_done = chunk_done
+        self._fail = fail
+        self._local_notif = local_notif
+        self._waiting = 0
+        # Label children looked up once: labels() costs several µs and would run per chunk.
         self._q_waiting = metrics.queue_depth.labels(queue="waiting_slot")
         self._q_workers = metrics.queue_depth.labels(queue="workers")
+        self._bytes: dict[tuple[str, str], object] = {}
+
+    # ------------------------------------------------------------------ admission
 
     def submit(self, room: SendRoom, chunk: OutChunk) -> None:
-        self._admitted += 1
-        self._q_admit.set(self._admitted)
-        self._node.spawn(self._run(room, chunk), f"chunk {room.key}/{chunk.spec.chunk_id}")
+        if room.finished:
+            self._chunk_done(room, chunk)
+        elif not room.bootstrapped:
+            room.pending.append(chunk)
+        else:
+            self._schedule(room, chunk)
+
+    def room_ready(self, room: SendRoom) -> None:
+        """Every reader bootstrapped: the chunks that were enqueued before go."""
+        pending, room.pending = room.pending, []
+        for chunk in pending:
+            self.submit(room, chunk)
 
     def room_failed(self, room: SendRoom) -> None:
-        """Chunks of a failed room wake up from their waits and give back their slots."""
+        """Chunks of a failed room stop waiting (for bootstrap or credits) and give back their slots."""
+        pending, room.pending = room.pending, []
+        for chunk in pending:
+            self._chunk_done(room, chunk)
+        if room.peer is not None and not room.zero_copy:
+            self._window(room.peer).cancel_room(room.key)
 
-    async def _run(self, room: SendRoom, chunk: OutChunk) -> None:
+    def _slices(self, room: SendRoom, chunk: OutChunk) -> list[HeadSlice]:
+        assert room.plan is not None
+        return [s for s in room.plan if s.writer == chunk.writer]
+
+    def _schedule(self, room: SendRoom, chunk: OutChunk) -> None:
         try:
-            await room.bootstrapped.wait()
-            if room.finished or room.plan is None:
-                return
-            slices = [s for s in room.plan if s.writer == chunk.writer]
-            if room.zero_copy:
-                if slices:
-                    self._dispatch_pages(room, chunk, slices)
-                return
-            readers = sorted({s.reader for s in slices})
-            dests: dict[int, DestSlot] = {}
-            for reader in readers:
-                dest = await self._dest(room, chunk, reader)
-                if dest is None:
-                    return
-                dests[reader] = dest
-            if room.finished:
-                return
-            self._dispatch(room, chunk, slices, dests)
+            slices = self._slices(room, chunk)
+            if not slices:  # a GQA replica or an MLA rank other than 0: nothing to send
+                self._chunk_done(room, chunk)
+            elif room.zero_copy:
+                self._dispatch_pages(room, chunk, slices)
+            else:
+                self._need_dests(room, chunk, slices)
         except Exception as exc:
             logger.exception("room %s: scheduling chunk %d failed", room.key, chunk.spec.chunk_id)
-            self._node.fail_send_room(room, FailureCode.TRANSFER_ERROR, f"internal error scheduling a chunk: {exc!r}")
-        finally:
-            self._admitted -= 1
-            self._q_admit.set(self._admitted)
-            if chunk.parts_pending == 0 and chunk.in_flight == 0:
-                self._node.writer_chunk_done(room, chunk)
+            self._fail(room, FailureCode.TRANSFER_ERROR, f"internal error scheduling a chunk: {exc!r}")
+            self._chunk_done(room, chunk)
 
-    async def _dest(self, room: SendRoom, chunk: OutChunk, reader: int) -> DestSlot | None:
+    # ------------------------------------------------------------------ destinations
+
+    def _need_dests(self, room: SendRoom, chunk: OutChunk, slices: list[HeadSlice]) -> None:
+        assert room.peer is not None and room.layout is not None and room.decode_tp is not None
         spec = chunk.spec
-        key = (spec.chunk_id, reader)
-        fut = room.dest.get(key)
-        if fut is None:
-            fut = asyncio.get_running_loop().create_future()
-            room.dest[key] = fut
-            self._node.spawn(self._alloc(room, chunk, reader, fut), f"alloc {room.key}/{spec.chunk_id}/{reader}")
-        try:
-            dest = await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            if room.finished:
-                return None
-            raise
-        if (dest.token_start, dest.num_tokens) != (spec.token_start, spec.num_tokens):
-            self._node.fail_send_room(
-                room, FailureCode.MISMATCH,
-                f"chunk {spec.chunk_id}: writers disagree on its tokens "
-                f"([{dest.token_start}, +{dest.num_tokens}) vs [{spec.token_start}, +{spec.num_tokens}))",
-            )
-            return None
-        return dest
+        window = self._window(room.peer)
+        missing = False
+        for reader in sorted({s.reader for s in slices}):
+            key = (spec.chunk_id, reader)
+            dest = room.dest.get(key)
+            if dest is None:
+                dest = room.dest[key] = Dest(spec.token_start, spec.num_tokens)
+                ring = room.reader_rings.get(reader, "")
+                nbytes = part_bytes(room.layout, room.decode_tp, reader, spec.num_tokens)
+                got = window.take(ring, nbytes, room.key, functools.partial(self._dest_ready, room, key))
+                if got is None:
+                    self._waiting += 1
+                    self._q_waiting.set(self._waiting)
+                dest.range = got
+            elif (dest.token_start, dest.num_tokens) != (spec.token_start, spec.num_tokens):
+                self._fail(room, FailureCode.MISMATCH,
+                           f"chunk {spec.chunk_id}: writers disagree on its tokens "
+                           f"([{dest.token_start}, +{dest.num_tokens}) vs [{spec.token_start}, +{spec.num_tokens}))")
+                self._chunk_done(room, chunk)
+                return
+            if dest.range is None:
+                dest.waiting.append(chunk)
+                missing = True
+        if not missing:
+            self._dispatch(room, chunk, slices)
 
-    async def _alloc(self, room: SendRoom, chunk: OutChunk, reader: int, fut: asyncio.Future[DestSlot]) -> None:
-        spec = chunk.spec
-        peer = room.peer
-        assert peer is not None
-        waiting = False
-        try:
-            while not room.finished:
-                space = peer.space_event()
-                try:
-                    got = await peer.alloc_slot(
-                        room.key, spec.chunk_id, reader, spec.token_start, spec.num_tokens, spec.last
-                    )
-                except Exception as exc:
-                    # "CODE: details", not the RPC error's multi-line repr: both sides show it.
-                    code: grpc.StatusCode | None = None
-                    why = repr(exc)
-                    if isinstance(exc, grpc.aio.AioRpcError):
-                        code = exc.code()
-                        why = f"{code.name}: {exc.details()}"
-                    lost = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-                    self._node.fail_send_room(
-                        room, FailureCode.PEER_LOST if lost else FailureCode.MISMATCH,
-                        f"destination slot for chunk {spec.chunk_id} reader {reader}: {why}",
-                    )
-                    return
-                if got is not None:
-                    if not fut.done():
-                        fut.set_result(DestSlot(*got, token_start=spec.token_start, num_tokens=spec.num_tokens))
-                    return
-                if not waiting:
-                    waiting = True
-                    self._waiting_slot += 1
-                    self._q_waiting.set(self._waiting_slot)
-                try:
-                    await asyncio.wait_for(space.wait(), _SLOT_RETRY_S)
-                except asyncio.TimeoutError:
-                    pass
-        finally:
-            if waiting:
-                self._waiting_slot -= 1
-                self._q_waiting.set(self._waiting_slot)
-            if not fut.done():
-                fut.cancel()
+    def _dest_ready(self, room: SendRoom, key: tuple[int, int], r: HeldRange | None) -> None:
+        self._waiting -= 1
+        self._q_waiting.set(self._waiting)
+        dest = room.dest.get(key)
+        if dest is None:
+            return
+        waiting, dest.waiting = dest.waiting, []
+        if r is None or room.finished:
+            if r is not None and room.peer is not None:
+                # Carved for a room that ended meanwhile: nothing was or will be written there.
+                self._window(room.peer).release([(r.held.spec.id, r.offset)], [])
+            if r is None and not room.finished:
+                self._fail(room, FailureCode.PEER_LOST, f"no destination space for chunk {key[0]} reader {key[1]}")
+            for chunk in waiting:
+                if chunk.in_flight == 0:
+                    self._chunk_done(room, chunk)
+            return
+        dest.range = r
+        for chunk in waiting:
+            slices = self._slices(room, chunk)
+            if all(room.dest[(chunk.spec.chunk_id, s.reader)].range is not None for s in slices):
+                self._dispatch(room, chunk, slices)
 
-    def _dispatch(self, room: SendRoom, chunk: OutChunk, slices: list[HeadSlice], dests: dict[int, DestSlot]) -> None:
+    # ------------------------------------------------------------------ dispatch
+
+    def _dispatch(self, room: SendRoom, chunk: OutChunk, slices: list[HeadSlice]) -> None:
         assert room.layout is not None and room.peer is not None
-        from kvxferd.node import encode_notif
-
+        if room.finished:
+            self._chunk_done(room, chunk)
+            return
         spec = chunk.spec
         bph = bytes_per_head(room.layout, spec.num_tokens)
         ring = chunk.engine.ring
         src_base = ring.base_addr + spec.slot.offset
-        peer = room.peer
-        jobs = []
         src_len = ring.alloc.slot_length(spec.slot.offset) or 0
+        peer = room.peer
+        window = self._window(peer)
+        jobs = []
         for s in slices:
-            dest = dests[s.reader]
+            r = room.dest[(spec.chunk_id, s.reader)].range
+            assert r is not None
             length = s.num_heads * bph
-            # The decode side sized the slot for exactly these tokens; never write past it.
-            if (s.dst_head * bph + length > dest.length
-                    or s.src_head * bph + length > src_len):
-                self._node.fail_send_room(room, FailureCode.MISMATCH, f"chunk {spec.chunk_id} does not fit its slots")
+            # The decode side sized nothing here: the range is ours, cut for exactly these tokens.
+            if s.dst_head * bph + length > r.length or s.src_head * bph + length > src_len:
+                self._fail(room, FailureCode.MISMATCH, f"chunk {spec.chunk_id} does not fit its slots")
+                self._chunk_done(room, chunk)
                 return
+            h = r.held
             jobs.append(TransferJob(
                 remote="" if peer.is_self else peer.agent_name,
-                pairs=[(src_base + s.src_head * bph, dest.address + s.dst_head * bph, length)],
-                notif=encode_notif(room.key, spec, s.writer, s.reader),
-                on_done=self._on_done,
-                local_mem=ring.mem, remote_mem=dest.mem,
-                local_device=ring.device, remote_device=dest.device,
-                tag=(room, chunk), nbytes=length,
+                pairs=[(src_base + s.src_head * bph, r.address + s.dst_head * bph, length)],
+                notif=encode_notif(room.key, spec, s.writer, s.reader, h.spec.id, r.offset),
+                on_done=self._on_done, local_mem=ring.mem, remote_mem=h.spec.mem,
+                local_device=ring.device, remote_device=h.spec.device, tag=(room, chunk, r), nbytes=length,
+                credit=h,
             ))
+        for job in jobs:
+            window.write_started(job.tag[2])
         self._submit(room, chunk, jobs)
 
     def _dispatch_pages(self, room: SendRoom, chunk: OutChunk, slices: list[HeadSlice]) -> None:
         """Zero-copy: pool pages to pool pages, one descriptor per (layer, K/V, contiguous page run)."""
-        from kvxferd.node import encode_notif
-
         assert room.layout is not None and room.peer is not None
         lay = room.layout
         spec = chunk.spec
@@ -191,11 +190,13 @@ class Scheduler:
         for s in slices:
             target = room.zc_targets.get(s.reader)
             if target is None:
-                self._node.fail_send_room(room, FailureCode.MISMATCH, f"reader {s.reader} has no zero-copy target")
+                self._fail(room, FailureCode.MISMATCH, f"reader {s.reader} has no zero-copy target")
+                self._chunk_done(room, chunk)
                 return
             dst_pages = target.pages[first_page : first_page + len(spec.pages)]
             if len(dst_pages) != len(spec.pages):
-                self._node.fail_send_room(room, FailureCode.MISMATCH, f"chunk {spec.chunk_id} exceeds the decode pages")
+                self._fail(room, FailureCode.MISMATCH, f"chunk {spec.chunk_id} exceeds the decode pages")
+                self._chunk_done(room, chunk)
                 return
             # Same TP (or MLA): writer and reader hold the same heads, so a token slot has the same size.
             slot_bytes = s.num_heads * lay.head_dim * lay.dtype_bytes
@@ -212,7 +213,7 @@ class Scheduler:
                 remote="" if room.peer.is_self else room.peer.agent_name, pairs=pairs,
                 notif=encode_notif(room.key, spec, s.writer, s.reader), on_done=self._on_done,
                 local_mem=eng.ring.mem, remote_mem=target.mem, local_device=eng.ring.device,
-                remote_device=target.device, tag=(room, chunk), nbytes=sum(p[2] for p in pairs),
+                remote_device=target.device, tag=(room, chunk, None), nbytes=sum(p[2] for p in pairs),
             ))
         self._submit(room, chunk, jobs)
 
@@ -227,25 +228,31 @@ class Scheduler:
         self._q_workers.set(self._workers.in_flight)
 
     def _on_done(self, job: TransferJob, state: XferState, error: str) -> None:
-        room, chunk = job.tag
+        room, chunk, r = job.tag
         chunk.in_flight -= 1
         chunk.parts_pending -= 1
         room.in_flight -= 1
         peer = room.peer
-        self._q_workers.set(self._workers.in_flight)
+        if r is not None:
+            self._window(peer).write_done(r)
         if state is XferState.DONE:
             path = "local" if peer.is_self else "nixl"
-            self._metrics.transfer_bytes.labels(peer=peer.daemon_id, path=path).inc(job.nbytes)
-            self._metrics.chunk_transfer.labels(path=path).observe(job.finished_at - job.posted_at)
+            counter = self._bytes.get((peer.daemon_id, path))
+            if counter is None:
+                counter = self._bytes[(peer.daemon_id, path)] = self._metrics.transfer_bytes.labels(
+                    peer=peer.daemon_id, path=path)
+            counter.inc(job.nbytes)  # type: ignore[attr-defined]
             if peer.is_self:
-                self._node.on_notifs([("", job.notif)])
+                self._local_notif(job.notif)
         else:
             self._metrics.nixl_errors.labels(peer=peer.daemon_id).inc()
-            self._node.fail_send_room(
-                room, FailureCode.TRANSFER_ERROR, f"chunk {chunk.spec.chunk_id}: transfer to {peer.daemon_id}: {error}"
-            )
+            self._fail(room, FailureCode.TRANSFER_ERROR,
+                       f"chunk {chunk.spec.chunk_id}: transfer to {peer.daemon_id}: {error}")
         if chunk.in_flight == 0 and (chunk.parts_pending == 0 or room.finished):
-            self._node.writer_chunk_done(room, chunk)
+            self._chunk_done(room, chunk)
+
+    def sync_gauges(self) -> None:
+        self._q_workers.set(self._workers.in_flight)
 
 
 def coalesce(src: tuple[int, ...] | list[int], dst: tuple[int, ...] | list[int]) -> list[tuple[int, int, int]]:

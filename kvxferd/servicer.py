@@ -19,8 +19,9 @@ from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from kvxferd import errors
 from kvxferd.convert import chunk_spec, engine_spec, room_event_pb, room_key, room_status_pb, watermark_pb
 from kvxferd.domain import Role, SlotRef
+from kvxferd.engines import Engine, Ring
 from kvxferd.metrics import Metrics
-from kvxferd.node import Engine, Node, Ring
+from kvxferd.node import Node
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         return engine_pb2.RegisterEngineReply(
             engine_id=eng.id, pool_path=node.pool.path, pool_bytes=node.pool.size,
             ring_offset=eng.ring.pool_offset if eng.ring.kind == "host" else 0, ring_bytes=eng.ring.size,
-            lease_ms=int(node.lease_s(eng) * 1000), daemon_id=node.daemon_id, peer_address=node.address,
+            lease_ms=int(node.lease_s(eng) * 1000), daemon_id=node.ident.daemon_id, peer_address=node.ident.address,
         )
 
     async def UnregisterEngine(self, request: engine_pb2.UnregisterEngineRequest, context: Any) -> engine_pb2.UnregisterEngineReply:
@@ -214,8 +215,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             peers=[
                 engine_pb2.PeerInfo(
                     daemon_id=p.daemon_id, address=p.address, state="up" if p.up else "down",
-                    rooms=sum(1 for r in [*self._node.send_rooms.values(), *self._node.recv_rooms.values()]
-                              if r.peer is p and not r.finished),
+                    rooms=self._node.rooms_with(p),
                 )
                 for p in st["peers"]  # type: ignore[attr-defined]
             ],

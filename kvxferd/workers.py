@@ -29,7 +29,10 @@ T = TypeVar("T")
 # latency low, long enough not to starve the event loop on 2 cores.
 _POLL_MIN_S = 0.00002
 _POLL_MAX_S = 0.0005
-_NOTIF_IDLE_S = 0.001
+# Notification polling: fast while WRITEs are expected, slow when nothing is (an idle daemon
+# must cost ~nothing; NIXL has no blocking wait for notifications).
+_NOTIF_BUSY_S = 0.001
+_NOTIF_IDLE_S = 0.05
 
 
 @dataclass(eq=False)
@@ -46,14 +49,21 @@ class TransferJob:
     remote_device: int = 0
     tag: Any = None
     nbytes: int = 0
+    # The credit written into (credits.Held): a WRITE is never posted once it is revoked.
+    credit: Any = None
     posted_at: float = 0.0
     finished_at: float = 0.0
     _handle: Any = field(default=None, repr=False)
 
 
 class WorkerPool:
-    def __init__(self, transport: Transport, loop: asyncio.AbstractEventLoop, workers: int) -> None:
+    def __init__(self, transport: Transport, loop: asyncio.AbstractEventLoop, workers: int,
+                 post_delay: Callable[[], float] | None = None) -> None:
         self._transport = transport
+        # Test-only fault hook: seconds to hold the next post (delays a WRITE past a revocation).
+        self._post_delay = post_delay
+        # Set by the decode side while it expects chunks: notifications are then polled fast.
+        self.expecting: Callable[[], bool] = lambda: True
         self._loop = loop
         self._queues: list[queue.SimpleQueue[TransferJob | None]] = [queue.SimpleQueue() for _ in range(workers)]
         self._threads = [
@@ -162,7 +172,19 @@ class WorkerPool:
             pass
 
     def _post(self, job: TransferJob) -> bool:
+        if self._post_delay is not None:
+            delay = self._post_delay()
+            if delay > 0:
+                logger.warning("fault injection: holding a WRITE to %s for %.2f s", job.remote or "self", delay)
+                time.sleep(delay)
         job.posted_at = time.monotonic()
+        if job.credit is not None and job.credit.revoked:
+            # The decode side revoked the credit (ring released, session lost) after this WRITE
+            # was dispatched: its space may be about to be reused, so nothing is posted.
+            logger.warning("WRITE to %s not posted: destination credit revoked before the WRITE was posted",
+                           job.remote or "self")
+            self._report(job, XferState.ERROR, "destination credit revoked before the WRITE was posted")
+            return False
         if not job.remote:
             # Same-node path: source and destination are both mapped here.
             try:
@@ -263,7 +285,7 @@ class WorkerPool:
             self._report(job, XferState.ERROR, "daemon stopped before the transfer finished")
 
     def _poll_notifs(self, handler: Callable[[list[tuple[str, bytes]]], None]) -> None:
-        idle = _NOTIF_IDLE_S
+        idle = _NOTIF_BUSY_S
         while not self._stop.is_set():
             try:
                 notifs = self._transport.get_notifs()
@@ -277,5 +299,5 @@ class WorkerPool:
                     return
                 idle = _POLL_MIN_S
             else:
-                idle = min(idle * 2, _NOTIF_IDLE_S)
+                idle = min(idle * 2, _NOTIF_BUSY_S if self.expecting() else _NOTIF_IDLE_S)
             time.sleep(idle)

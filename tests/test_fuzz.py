@@ -107,14 +107,14 @@ class ThreadDaemon:
 
 
 class FakePeer(peer_pb2_grpc.PeerServicer):
-    """A second "daemon" that answers the fuzzed daemon: heartbeats (so it stays up), handshakes
-    with real NIXL metadata (an agent in this process), bootstraps; it never grants a slot."""
+    """A second "daemon" that answers the fuzzed daemon: handshakes with real NIXL metadata (an agent
+    in this process) and keeps a control stream alive; it never answers a bootstrap, never writes."""
 
     def __init__(self) -> None:
         from kvxferd.transport import NixlTransport
 
         self.transport = NixlTransport(f"kvx-fuzzpeer-{os.getpid()}", progress_thread=False)
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         peer_pb2_grpc.add_PeerServicer_to_server(self, self.server)
         port = self.server.add_insecure_port("127.0.0.1:0")
         self.address = f"127.0.0.1:{port}"
@@ -128,21 +128,12 @@ class FakePeer(peer_pb2_grpc.PeerServicer):
         return peer_pb2.HandshakeReply(sender=self.ref, agent_name=self.transport.name,
                                        nixl_metadata=self.transport.metadata(), version="fuzz")
 
-    def Bootstrap(self, request: Any, context: Any) -> peer_pb2.BootstrapReply:
-        return peer_pb2.BootstrapReply(prefill_tp=1, layout=request.layout)
-
-    def AllocSlot(self, request: Any, context: Any) -> peer_pb2.AllocSlotReply:
-        context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the fuzz peer grants no slots")
-        raise AssertionError("unreachable")
-
-    def Watermark(self, request: Any, context: Any) -> peer_pb2.PeerWatermarkReply:
-        return peer_pb2.PeerWatermarkReply()
-
-    def Complete(self, request: Any, context: Any) -> peer_pb2.CompleteReply:
-        return peer_pb2.CompleteReply()
-
-    def Abort(self, request: Any, context: Any) -> peer_pb2.PeerAbortReply:
-        return peer_pb2.PeerAbortReply()
+    def Session(self, request_iterator: Any, context: Any) -> Iterator[peer_pb2.PeerBatch]:
+        # Reads (and drops) what the daemon sends; a keep-alive batch every 0.3 s keeps it up.
+        threading.Thread(target=lambda: [None for _ in request_iterator], daemon=True).start()
+        while context.is_active():
+            yield peer_pb2.PeerBatch()
+            time.sleep(0.3)
 
     def close(self) -> None:
         self.server.stop(0)
@@ -371,19 +362,44 @@ ENGINE_OPS = st.one_of(
     op("flow", tokens=st.lists(st.integers(1, 48), min_size=1, max_size=3), abort=st.booleans()),
 )
 
+credit_ids = st.one_of(st.integers(0, 64), u64)
+PEER_MSGS = st.one_of(
+    st.builds(lambda room, group, reader, tp, lay, tokens, ring: peer_pb2.PeerMsg(bootstrap=peer_pb2.Bootstrap(
+        room=room, prefill_group=group, reader_rank=reader, decode_tp=tp, layout=lay, num_tokens=tokens,
+        reader_ring=ring)), room_key, names, u32, u32, layouts, u32, st.text(max_size=40)),
+    st.builds(lambda room, reader, code, tp, lay: peer_pb2.PeerMsg(bootstrap_reply=peer_pb2.BootstrapReply(
+        room=room, reader_rank=reader, code=code, prefill_tp=tp, layout=lay)),
+        room_key, st.integers(0, 3), st.integers(-5, 20), u32, layouts),
+    st.builds(lambda cid, ring, addr, n, mem: peer_pb2.PeerMsg(grant=peer_pb2.CreditGrant(credits=[peer_pb2.Credit(
+        id=cid, ring=ring, address=addr, length=n, mem=mem)])), credit_ids, st.text(max_size=40), u64, u64,
+        st.sampled_from(["DRAM", "VRAM", "", "HBM"])),
+    st.builds(lambda ring, n: peer_pb2.PeerMsg(credit_request=peer_pb2.CreditRequest(ring=ring, bytes=n)),
+              st.one_of(st.sampled_from(["D1", "D2a", "P1"]), st.text(max_size=40)), u64),
+    st.builds(lambda ids: peer_pb2.PeerMsg(credit_return=peer_pb2.CreditReturn(ids=ids)), st.lists(credit_ids, max_size=8)),
+    st.builds(lambda ids: peer_pb2.PeerMsg(revoke=peer_pb2.CreditRevoke(ids=ids)), st.lists(credit_ids, max_size=8)),
+    st.builds(lambda ring: peer_pb2.PeerMsg(reclaim=peer_pb2.Reclaim(ring=ring)), st.text(max_size=40)),
+    st.builds(lambda cid, off, rooms: peer_pb2.PeerMsg(release=peer_pb2.RangeRelease(
+        ranges=[peer_pb2.Range(credit_id=cid, offset=off)], rooms=rooms)), credit_ids, u64,
+        st.lists(room_key, max_size=3)),
+    st.builds(lambda room, reader, n, a: peer_pb2.PeerMsg(complete=peer_pb2.Complete(
+        room=room, reader_rank=reader, num_chunks=n, aux=a)), room_key, st.integers(0, 3), u32, aux),
+    st.builds(lambda room, reader, code: peer_pb2.PeerMsg(complete_ack=peer_pb2.CompleteAck(
+        room=room, reader_rank=reader, code=code)), room_key, st.integers(0, 3), st.integers(-3, 20)),
+    st.builds(lambda room, code, reason, q: peer_pb2.PeerMsg(abort=peer_pb2.Abort(
+        room=room, code=code, reason=reason, quiesced=q)),
+        room_key, st.integers(-(1 << 31), (1 << 31) - 1), st.text(max_size=2000), st.booleans()),
+    st.builds(lambda s_: peer_pb2.PeerMsg(hello=peer_pb2.Hello(sender=s_)), st.just(peer_pb2.DaemonRef())),
+)
+
 PEER_OPS = st.one_of(
     op("handshake", sender=senders, address=addresses, agent=st.text(max_size=40),
        md=st.one_of(st.sampled_from(["VALID", "VALID_TAIL", "EMPTY"]), st.binary(max_size=256))),
-    op("bootstrap", sender=senders, room=st.one_of(st.none(), room_key), group=names, reader=u32, decode_tp=u32,
-       layout=st.one_of(st.none(), layouts), tokens=u32, deadline=st.one_of(st.just(0), u64)),
-    op("alloc", sender=senders, room=room_key, chunk=st.one_of(st.integers(0, 8), u32), reader=st.integers(0, 3),
-       start=u32, tokens=u32, last=st.booleans()),
-    op("peer_watermark", sender=senders, ring=st.text(max_size=40)),
-    op("complete", sender=senders, room=room_key, reader=st.integers(0, 3), chunks=u32, aux=aux),
-    op("peer_abort", sender=senders, room=room_key, code=st.integers(-(1 << 31), (1 << 31) - 1),
-       reason=st.text(max_size=2000), quiesced=st.booleans()),
+    # A control stream: its Hello names a sender (the handshaken fuzz peer, or a stranger), then
+    # a batch of arbitrary messages that a hostile but authenticated peer could send.
+    op("session", sender=senders, instance=st.sampled_from(["OWN", "OTHER", ""]), hello=st.booleans(),
+       msgs=st.lists(PEER_MSGS, max_size=6)),
     op("heartbeat", sender=senders),
-    # Decode rooms whose prefill side is the fuzz peer: AllocSlot/Complete from it then hit real rooms.
+    # Decode rooms whose prefill side is the fuzz peer: stream messages from it then hit real rooms.
     op("expect_from_peer", engine=st.sampled_from(DECODE), room=st.integers(0, 40), tokens=st.integers(1, 256)),
 )
 
@@ -590,26 +606,15 @@ def run_peer_op(w: World, o: Op) -> None:
         note(w, name, code)
         if f["address"] not in ("OWN", "PEER", "127.0.0.1:1", "127.0.0.1:0", "[::1]:1"):
             assert code != grpc.StatusCode.OK, f"handshake from address {f['address']!r} accepted"
-    elif name == "bootstrap":
-        if f["room"] is not None:
-            kw["room"] = f["room"]
-        if f["layout"] is not None:
-            kw["layout"] = f["layout"]
-        note(w, name, code_of(lambda: p.Bootstrap(peer_pb2.BootstrapRequest(
-            prefill_group=f["group"], reader_rank=f["reader"], decode_tp=f["decode_tp"], num_tokens=f["tokens"],
-            deadline_unix_ms=f["deadline"], **kw), timeout=T)))
-    elif name == "alloc":
-        note(w, name, code_of(lambda: p.AllocSlot(peer_pb2.AllocSlotRequest(
-            room=f["room"], chunk_id=f["chunk"], reader_rank=f["reader"], token_start=f["start"],
-            num_tokens=f["tokens"], last=f["last"], **kw), timeout=T)))
-    elif name == "peer_watermark":
-        note(w, name, code_of(lambda: p.Watermark(peer_pb2.PeerWatermarkRequest(ring=f["ring"], **kw), timeout=T)))
-    elif name == "complete":
-        note(w, name, code_of(lambda: p.Complete(peer_pb2.CompleteRequest(
-            room=f["room"], reader_rank=f["reader"], num_chunks=f["chunks"], aux=f["aux"], **kw), timeout=T)))
-    elif name == "peer_abort":
-        note(w, name, code_of(lambda: p.Abort(peer_pb2.PeerAbortRequest(
-            room=f["room"], code=f["code"], reason=f["reason"], quiesced=f["quiesced"], **kw), timeout=T)))
+    elif name == "session":
+        inst = {"OWN": w.own_ref.instance_id, "OTHER": "not-this-instance", "": ""}[f["instance"]]
+        first = [peer_pb2.PeerMsg(hello=peer_pb2.Hello(peer_instance_id=inst, **kw))] if f["hello"] else []
+        batches = [peer_pb2.PeerBatch(msgs=first), peer_pb2.PeerBatch(msgs=f["msgs"])]
+        code = code_of(lambda: list(p.Session(iter(batches), timeout=T)))
+        note(w, name, code)
+        authentic = f["hello"] and f["sender"] == "PEER" and f["instance"] == "OWN"
+        if not authentic:
+            assert code != grpc.StatusCode.OK, "a stream without a matching handshake was accepted"
     elif name == "heartbeat":
         note(w, name, code_of(lambda: p.Heartbeat(peer_pb2.HeartbeatRequest(**kw), timeout=T)))
     elif name == "expect_from_peer":
@@ -694,12 +699,15 @@ def test_after_the_fuzz_nothing_leaked_nothing_written(world: World) -> None:
     e.Watermark(engine_pb2.WatermarkRequest(engine_id=w.eid("D1"), room=room, chunk_ids=[0]), timeout=T)
     e.ReleaseRoom(engine_pb2.ReleaseRoomRequest(engine_id=w.eid("D1"), room=room), timeout=T)
     e.ReleaseRoom(engine_pb2.ReleaseRoomRequest(engine_id=w.eid("P1"), room=room), timeout=T)
-    # Every slot comes back: rooms end by their deadline (5 s here) and unlanded slots once the
-    # prefill side says it is quiesced. The fuzz peer never writes: it says so for its rooms.
-    for rid in range(41):
-        code_of(lambda rid=rid: w.peer_stub.Abort(peer_pb2.PeerAbortRequest(
-            sender=w.peer.ref, room=common_pb2.RoomKey(id=rid), code=common_pb2.FAILURE_CODE_ABORTED,
-            reason="fuzz over", quiesced=True), timeout=T))
+    # Every slot comes back: rooms end by their deadline (5 s here), and the credits granted to the
+    # fuzz peer once it gives them back (it never wrote into them). It handshakes again first: the
+    # hostile streams may have left it lost.
+    w.peer_stub.Handshake(peer_pb2.HandshakeRequest(
+        sender=w.peer.ref, agent_name=w.peer.transport.name, nixl_metadata=w.peer.transport.metadata(),
+        version="fuzz"), timeout=T)
+    hello = peer_pb2.PeerMsg(hello=peer_pb2.Hello(sender=w.peer.ref, peer_instance_id=w.own_ref.instance_id))
+    give_back = peer_pb2.PeerMsg(credit_return=peer_pb2.CreditReturn(ids=list(range(1, 20_000))))
+    code_of(lambda: list(w.peer_stub.Session(iter([peer_pb2.PeerBatch(msgs=[hello, give_back])]), timeout=T)))
     held = -1
     deadline = time.monotonic() + 45
     while time.monotonic() < deadline:

@@ -39,30 +39,10 @@ class PeerStub:
                 request_serializer=kvxfer_dot_v1_dot_peer__pb2.HandshakeRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_peer__pb2.HandshakeReply.FromString,
                 _registered_method=True)
-        self.Bootstrap = channel.unary_unary(
-                '/kvxfer.v1.Peer/Bootstrap',
-                request_serializer=kvxfer_dot_v1_dot_peer__pb2.BootstrapRequest.SerializeToString,
-                response_deserializer=kvxfer_dot_v1_dot_peer__pb2.BootstrapReply.FromString,
-                _registered_method=True)
-        self.AllocSlot = channel.unary_unary(
-                '/kvxfer.v1.Peer/AllocSlot',
-                request_serializer=kvxfer_dot_v1_dot_peer__pb2.AllocSlotRequest.SerializeToString,
-                response_deserializer=kvxfer_dot_v1_dot_peer__pb2.AllocSlotReply.FromString,
-                _registered_method=True)
-        self.Watermark = channel.unary_unary(
-                '/kvxfer.v1.Peer/Watermark',
-                request_serializer=kvxfer_dot_v1_dot_peer__pb2.PeerWatermarkRequest.SerializeToString,
-                response_deserializer=kvxfer_dot_v1_dot_peer__pb2.PeerWatermarkReply.FromString,
-                _registered_method=True)
-        self.Complete = channel.unary_unary(
-                '/kvxfer.v1.Peer/Complete',
-                request_serializer=kvxfer_dot_v1_dot_peer__pb2.CompleteRequest.SerializeToString,
-                response_deserializer=kvxfer_dot_v1_dot_peer__pb2.CompleteReply.FromString,
-                _registered_method=True)
-        self.Abort = channel.unary_unary(
-                '/kvxfer.v1.Peer/Abort',
-                request_serializer=kvxfer_dot_v1_dot_peer__pb2.PeerAbortRequest.SerializeToString,
-                response_deserializer=kvxfer_dot_v1_dot_peer__pb2.PeerAbortReply.FromString,
+        self.Session = channel.stream_stream(
+                '/kvxfer.v1.Peer/Session',
+                request_serializer=kvxfer_dot_v1_dot_peer__pb2.PeerBatch.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_peer__pb2.PeerBatch.FromString,
                 _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/kvxfer.v1.Peer/Heartbeat',
@@ -76,50 +56,25 @@ class PeerServicer:
 
     def Handshake(self, request, context):
         """Exchanges identities and NIXL agent metadata. Repeated after a restart of
-        either side (a new instance_id replaces the old metadata).
+        either side (a new instance_id replaces the old metadata), and when a side's
+        registered memory changed (a GPU ring imported or released).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Bootstrap(self, request, context):
-        """Decode daemon → prefill daemon: one reader of a room is ready.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def AllocSlot(self, request, context):
-        """Prefill daemon → decode daemon: reserve the destination slot of one
-        (chunk, reader). Refused with granted=false while the ring is full.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Watermark(self, request, context):
-        """Decode daemon → prefill daemon: a ring's consumer freed space.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Complete(self, request, context):
-        """Prefill daemon → decode daemon: every chunk of a reader has been written.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Abort(self, request, context):
-        """Either way: the room failed on the sender's side.
+    def Session(self, request_iterator, context):
+        """The control stream. The opener's first batch starts with a Hello naming the
+        instance that handshook; a stream whose Hello names no completed handshake is
+        refused before anything else on it is read.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Heartbeat(self, request, context):
-        """Liveness; a changed instance_id means the peer restarted.
+        """Liveness probe of a peer that has no session yet (static peers); a changed
+        instance_id means the peer restarted.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -133,30 +88,10 @@ def add_PeerServicer_to_server(servicer, server):
                     request_deserializer=kvxfer_dot_v1_dot_peer__pb2.HandshakeRequest.FromString,
                     response_serializer=kvxfer_dot_v1_dot_peer__pb2.HandshakeReply.SerializeToString,
             ),
-            'Bootstrap': grpc.unary_unary_rpc_method_handler(
-                    servicer.Bootstrap,
-                    request_deserializer=kvxfer_dot_v1_dot_peer__pb2.BootstrapRequest.FromString,
-                    response_serializer=kvxfer_dot_v1_dot_peer__pb2.BootstrapReply.SerializeToString,
-            ),
-            'AllocSlot': grpc.unary_unary_rpc_method_handler(
-                    servicer.AllocSlot,
-                    request_deserializer=kvxfer_dot_v1_dot_peer__pb2.AllocSlotRequest.FromString,
-                    response_serializer=kvxfer_dot_v1_dot_peer__pb2.AllocSlotReply.SerializeToString,
-            ),
-            'Watermark': grpc.unary_unary_rpc_method_handler(
-                    servicer.Watermark,
-                    request_deserializer=kvxfer_dot_v1_dot_peer__pb2.PeerWatermarkRequest.FromString,
-                    response_serializer=kvxfer_dot_v1_dot_peer__pb2.PeerWatermarkReply.SerializeToString,
-            ),
-            'Complete': grpc.unary_unary_rpc_method_handler(
-                    servicer.Complete,
-                    request_deserializer=kvxfer_dot_v1_dot_peer__pb2.CompleteRequest.FromString,
-                    response_serializer=kvxfer_dot_v1_dot_peer__pb2.CompleteReply.SerializeToString,
-            ),
-            'Abort': grpc.unary_unary_rpc_method_handler(
-                    servicer.Abort,
-                    request_deserializer=kvxfer_dot_v1_dot_peer__pb2.PeerAbortRequest.FromString,
-                    response_serializer=kvxfer_dot_v1_dot_peer__pb2.PeerAbortReply.SerializeToString,
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=kvxfer_dot_v1_dot_peer__pb2.PeerBatch.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_peer__pb2.PeerBatch.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
@@ -202,7 +137,7 @@ class Peer:
             _registered_method=True)
 
     @staticmethod
-    def Bootstrap(request,
+    def Session(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -212,120 +147,12 @@ class Peer:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
-            '/kvxfer.v1.Peer/Bootstrap',
-            kvxfer_dot_v1_dot_peer__pb2.BootstrapRequest.SerializeToString,
-            kvxfer_dot_v1_dot_peer__pb2.BootstrapReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def AllocSlot(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvxfer.v1.Peer/AllocSlot',
-            kvxfer_dot_v1_dot_peer__pb2.AllocSlotRequest.SerializeToString,
-            kvxfer_dot_v1_dot_peer__pb2.AllocSlotReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Watermark(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvxfer.v1.Peer/Watermark',
-            kvxfer_dot_v1_dot_peer__pb2.PeerWatermarkRequest.SerializeToString,
-            kvxfer_dot_v1_dot_peer__pb2.PeerWatermarkReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Complete(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvxfer.v1.Peer/Complete',
-            kvxfer_dot_v1_dot_peer__pb2.CompleteRequest.SerializeToString,
-            kvxfer_dot_v1_dot_peer__pb2.CompleteReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Abort(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvxfer.v1.Peer/Abort',
-            kvxfer_dot_v1_dot_peer__pb2.PeerAbortRequest.SerializeToString,
-            kvxfer_dot_v1_dot_peer__pb2.PeerAbortReply.FromString,
+            '/kvxfer.v1.Peer/Session',
+            kvxfer_dot_v1_dot_peer__pb2.PeerBatch.SerializeToString,
+            kvxfer_dot_v1_dot_peer__pb2.PeerBatch.FromString,
             options,
             channel_credentials,
             insecure,

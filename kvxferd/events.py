@@ -1,0 +1,86 @@
+"""The room clock (deadlines, garbage collection of finished rooms) and room events to engines.
+
+Engines never poll: every state change and every landed chunk is pushed to the engine's
+watchers (WatchRooms streams) as it happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from kvxferd.domain import RoomEvent
+from kvxferd.engines import Engine, EngineTable
+from kvxferd.rooms import InSlot, ReaderState, RecvRoom, RoomBase, SendRoom, landed_view
+
+logger = logging.getLogger(__name__)
+
+FINISHED_ROOM_TTL_S = 60.0
+
+
+class RoomClock:
+    """Per-room timers. A room has at most one deadline and one GC timer; finishing a room swaps
+    its deadline for the GC timer."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_event_loop()
+
+    def arm_deadline(self, room: RoomBase, seconds: float, fire: Callable[[RoomBase], None]) -> None:
+        if room.deadline_handle is not None:
+            room.deadline_handle.cancel()
+        room.deadline_handle = self._loop.call_later(seconds, fire, room)
+
+    def arm_gc(self, room: RoomBase, fire: Callable[[RoomBase], None], seconds: float = FINISHED_ROOM_TTL_S) -> None:
+        if room.deadline_handle is not None:
+            room.deadline_handle.cancel()
+            room.deadline_handle = None
+        if room.gc_handle is None:
+            room.gc_handle = self._loop.call_later(seconds, fire, room)
+
+    def rearm_gc(self, room: RoomBase, fire: Callable[[RoomBase], None]) -> None:
+        room.gc_handle = self._loop.call_later(FINISHED_ROOM_TTL_S, fire, room)
+
+    @staticmethod
+    def cancel(room: RoomBase) -> None:
+        for h in (room.deadline_handle, room.gc_handle):
+            if h is not None:
+                h.cancel()
+        room.deadline_handle = room.gc_handle = None
+
+
+class EventHub:
+    """Fans room events out to the watchers of the engines a room concerns."""
+
+    def __init__(self, engines: EngineTable) -> None:
+        self._engines = engines
+
+    def watch(self, engine_id: str) -> asyncio.Queue[RoomEvent | None]:
+        eng = self._engines.get(engine_id)
+        q: asyncio.Queue[RoomEvent | None] = asyncio.Queue()
+        eng.watchers.add(q)
+        return q
+
+    def unwatch(self, engine_id: str, q: asyncio.Queue[RoomEvent | None]) -> None:
+        eng = self._engines.engines.get(engine_id)
+        if eng is not None:
+            eng.watchers.discard(q)
+
+    @staticmethod
+    def publish(eng: Engine, ev: RoomEvent) -> None:
+        for q in eng.watchers:
+            q.put_nowait(ev)
+
+    def send_state(self, room: SendRoom, writer: int | None = None) -> None:
+        ev = RoomEvent(room.key, room.state, room.failure_code, room.failure_reason)
+        for rank, w in room.writers.items():
+            if writer is None or rank == writer:
+                self.publish(w.engine, ev)
+
+    def recv_state(self, room: RecvRoom, aux: bytes = b"") -> None:
+        ev = RoomEvent(room.key, room.state, room.failure_code, room.failure_reason, aux=aux)
+        for rs in room.readers.values():
+            self.publish(rs.engine, ev)
+
+    def landed(self, room: RecvRoom, rs: ReaderState, cid: int, slot: InSlot) -> None:
+        self.publish(rs.engine, RoomEvent(room.key, room.state, landed=landed_view(cid, slot)))

@@ -1,0 +1,98 @@
+"""Test-only fault control (config `fault_injection = true`), driven by writing one command to
+`<socket>.faults`:
+
+- `N`: the next N NIXL posts end in ERROR, so tests can fail a transfer inside a subprocess daemon;
+- `delay S`: the next WRITE is held S seconds before it is posted (a WRITE delayed past a credit
+  revocation, as a stalled worker or network would);
+- `register BYTES` / `release`: register a new DRAM region with NIXL (release: the oldest such
+  region) and bump the metadata epoch, as importing or releasing an engine's GPU ring does, so CPU
+  tests exercise re-handshakes with changed NIXL metadata while rooms are in flight.
+
+The file sits next to the socket, in a directory only the daemon's user can write; the hook does
+not exist unless fault_injection is on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import mmap
+import os
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from kvxferd.ports import Identity
+from kvxferd.transport import FaultInjector, Transport
+
+logger = logging.getLogger(__name__)
+
+FAULT_CONTROL_SUFFIX = ".faults"
+
+
+class PostDelay:
+    """One-shot delays handed to the worker that posts next (read from worker threads)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: list[float] = []
+
+    def add(self, seconds: float) -> None:
+        with self._lock:
+            self._pending.append(seconds)
+
+    def take(self) -> float:
+        if not self._pending:
+            return 0.0
+        with self._lock:
+            return self._pending.pop(0) if self._pending else 0.0
+
+
+async def fault_control(path: str, injector: FaultInjector, delays: PostDelay, transport: Transport,
+                        ident: Identity, run_blocking: Callable[..., Awaitable[Any]]) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)  # a leftover of an earlier run must not fire now
+    scratch: list[tuple[mmap.mmap, int]] = []
+    try:
+        while True:
+            await asyncio.sleep(0.05)
+            try:
+                with open(path) as fh:
+                    text = fh.read()
+                os.unlink(path)
+            except FileNotFoundError:
+                continue
+            words = text.split()
+            try:
+                if len(words) == 1 and words[0].isdigit():
+                    injector.fail_next(int(words[0]))
+                    logger.warning("fault injection: the next %s NIXL transfer(s) will end in ERROR", words[0])
+                elif len(words) == 2 and words[0] == "delay":
+                    delays.add(float(words[1]))
+                    logger.warning("fault injection: the next WRITE is held %s s before it is posted", words[1])
+                elif len(words) == 2 and words[0] == "register" and words[1].isdigit():
+                    m = mmap.mmap(-1, int(words[1]))
+                    buf = ctypes.c_char.from_buffer(m)
+                    addr = ctypes.addressof(buf)
+                    del buf  # a live export would keep m.close() from unmapping it
+                    await run_blocking(transport.register_region, addr, len(m), "DRAM", 0)
+                    scratch.append((m, addr))
+                    ident.md_epoch += 1
+                    logger.warning("fault injection: registered %d B at 0x%x (metadata epoch %d)", len(m), addr,
+                                   ident.md_epoch)
+                elif words == ["release"] and scratch:
+                    m, addr = scratch.pop(0)
+                    await run_blocking(transport.deregister_region, addr)
+                    m.close()  # unmapped: the next region may land at the same address, like a GPU ring
+                    ident.md_epoch += 1
+                    logger.warning("fault injection: released a region (metadata epoch %d)", ident.md_epoch)
+                else:
+                    logger.warning("fault injection: unknown command %r in %s", text[:40], path)
+            except Exception as exc:
+                logger.warning("fault injection: %r failed: %s", text[:40], exc)
+    finally:
+        for _, addr in scratch:
+            with contextlib.suppress(Exception):
+                transport.deregister_region(addr)

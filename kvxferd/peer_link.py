@@ -1,0 +1,208 @@
+"""One peer daemon: its identity, its NIXL agent, and the one control stream of the pair.
+
+Outgoing messages are queued and coalesced: whatever the event loop produced for this peer
+while the previous batch was being written goes out as the next single batch, so a burst of
+chunks costs a handful of stream writes, not one RPC each. An empty batch goes out when a side
+has been silent for a heartbeat interval; the other side counts any batch as a sign of life.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import grpc
+
+from kvxfer_client._pb.kvxfer.v1 import common_pb2, peer_pb2, peer_pb2_grpc
+from kvxferd.config import Config
+from kvxferd.convert import layout_pb, room_key_pb, zero_copy_target_pb
+from kvxferd.credits import CreditWindow
+from kvxferd.domain import FailureCode, RoomKey
+from kvxferd.metrics import Metrics
+from kvxferd.ports import BootstrapAnswer, BootstrapMsg, CreditSpec
+
+logger = logging.getLogger(__name__)
+
+CONTROL_TIMEOUT_S = 5.0
+# At most this many messages per batch: a bounded message size whatever the backlog.
+MAX_BATCH = 4096
+
+
+def channel_credentials(config: Config) -> grpc.ChannelCredentials | None:
+    if not config.tls_enabled:
+        return None
+    key, cert, ca = config.tls_material()
+    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+
+def grpc_options(config: Config) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+    ]
+
+
+class Session:
+    """One open Session stream, dialed by us or accepted from the peer."""
+
+    def __init__(self, write: Callable[[peer_pb2.PeerBatch], Awaitable[Any]], cancel: Callable[[], Any],
+                 dialed: bool) -> None:
+        self.write = write
+        self.cancel = cancel
+        self.dialed = dialed
+        self.closed = False
+        self.writer: asyncio.Task[None] | None = None
+
+
+class PeerLink:
+    def __init__(self, address: str, config: Config, metrics: Metrics) -> None:
+        self.address = address
+        self.daemon_id = ""
+        self.instance_id = ""
+        self.agent_name = ""
+        self.metadata = b""  # the NIXL metadata loaded for agent_name
+        self.is_self = False
+        self.up = False
+        # Identity.md_epoch our last handshake carried: memory registered since is unknown to the
+        # peer's NIXL agent until we send our metadata again.
+        self.md_epoch_sent = -1
+        self.last_rx = time.monotonic()
+        self.session: Session | None = None
+        # The instance we last lost (or "" if never): a session that comes up again tells the
+        # ledger, which then settles the credits revoked at the loss.
+        self.lost_instance = ""
+        self.window = CreditWindow(self, metrics)
+        self.lock = asyncio.Lock()
+        self._interval = config.heartbeat_interval_s
+        self._metrics_out = metrics.peer_batches.labels(direction="out")
+        self._metrics_msgs = metrics.peer_messages.labels(direction="out")
+        self._out: list[peer_pb2.PeerMsg] = []
+        self._wake = asyncio.Event()
+        creds = channel_credentials(config)
+        opts = grpc_options(config)
+        self.channel = (
+            grpc.aio.secure_channel(address, creds, options=opts) if creds
+            else grpc.aio.insecure_channel(address, options=opts)
+        )
+        self.stub = peer_pb2_grpc.PeerStub(self.channel)
+
+    def __repr__(self) -> str:
+        return f"PeerLink({self.daemon_id or '?'}@{self.address})"
+
+    # ------------------------------------------------------------------ the stream
+
+    def attach(self, session: Session) -> None:
+        """Makes `session` the one we write to (a newer one replaces an older one)."""
+        old, self.session = self.session, session
+        if old is not None and old is not session:
+            self._close(old)
+        self.last_rx = time.monotonic()
+        session.writer = asyncio.ensure_future(self._write_loop(session))
+        if self._out:
+            self._wake.set()
+
+    def detach(self) -> None:
+        if self.session is not None:
+            self._close(self.session)
+            self.session = None
+        self._out.clear()
+
+    def _close(self, session: Session) -> None:
+        # The writer is not cancelled mid-write: gRPC cannot end a stream while a write of it is
+        # still pending. It sees `closed` once its current write is done, and stops.
+        session.closed = True
+        self._wake.set()
+        try:
+            session.cancel()
+        except Exception:
+            logger.debug("cancelling a peer stream failed", exc_info=True)
+
+    async def _write_loop(self, session: Session) -> None:
+        while not session.closed:
+            try:
+                await asyncio.wait_for(self._wake.wait(), self._interval / 2)
+            except asyncio.TimeoutError:
+                pass
+            if session.closed:
+                return
+            self._wake.clear()
+            msgs, self._out = self._out[:MAX_BATCH], self._out[MAX_BATCH:]
+            if self._out:
+                self._wake.set()
+            try:
+                await session.write(peer_pb2.PeerBatch(msgs=msgs))
+            except Exception as exc:
+                if not session.closed:
+                    logger.info("writing to peer %s failed: %s", self.daemon_id or self.address, exc)
+                return
+            self._metrics_out.inc()
+            if msgs:
+                self._metrics_msgs.inc(len(msgs))
+
+    def _push(self, msg: peer_pb2.PeerMsg) -> None:
+        self._out.append(msg)
+        self._wake.set()
+
+    # ------------------------------------------------------------------ messages (ports.Link)
+
+    def send_bootstrap(self, m: BootstrapMsg) -> None:
+        b = peer_pb2.Bootstrap(
+            room=room_key_pb(m.room), prefill_group=m.group, reader_rank=m.reader, decode_tp=m.decode_tp,
+            layout=layout_pb(m.layout), num_tokens=m.num_tokens, deadline_unix_ms=max(0, m.deadline_unix_ms),
+            reader_ring=m.reader_ring,
+        )
+        if m.zero_copy is not None:
+            b.zero_copy.CopyFrom(zero_copy_target_pb(m.zero_copy))
+        self._push(peer_pb2.PeerMsg(bootstrap=b))
+
+    def send_bootstrap_reply(self, a: BootstrapAnswer) -> None:
+        r = peer_pb2.BootstrapReply(room=room_key_pb(a.room), reader_rank=a.reader, code=a.code,
+                                    message=a.message[:1000], prefill_tp=a.prefill_tp, zero_copy=a.zero_copy)
+        if a.layout is not None:
+            r.layout.CopyFrom(layout_pb(a.layout))
+        self._push(peer_pb2.PeerMsg(bootstrap_reply=r))
+
+    def send_grant(self, credits: Sequence[CreditSpec]) -> None:
+        self._push(peer_pb2.PeerMsg(grant=peer_pb2.CreditGrant(credits=[
+            peer_pb2.Credit(id=c.id, ring=c.ring, address=c.address, length=c.length, mem=c.mem, device=c.device)
+            for c in credits
+        ])))
+
+    def send_credit_request(self, ring: str, nbytes: int) -> None:
+        self._push(peer_pb2.PeerMsg(credit_request=peer_pb2.CreditRequest(ring=ring, bytes=nbytes)))
+
+    def send_credit_return(self, ids: Sequence[int]) -> None:
+        self._push(peer_pb2.PeerMsg(credit_return=peer_pb2.CreditReturn(ids=list(ids))))
+
+    def send_revoke(self, ids: Sequence[int], reason: str) -> None:
+        self._push(peer_pb2.PeerMsg(revoke=peer_pb2.CreditRevoke(ids=list(ids), reason=reason[:500])))
+
+    def send_reclaim(self, ring: str) -> None:
+        self._push(peer_pb2.PeerMsg(reclaim=peer_pb2.Reclaim(ring=ring)))
+
+    def send_release(self, ranges: Sequence[tuple[int, int]] = (), rooms: Sequence[RoomKey] = ()) -> None:
+        self._push(peer_pb2.PeerMsg(release=peer_pb2.RangeRelease(
+            ranges=[peer_pb2.Range(credit_id=c, offset=o) for c, o in ranges],
+            rooms=[room_key_pb(k) for k in rooms],
+        )))
+
+    def send_complete(self, room: RoomKey, reader: int, num_chunks: int, aux: bytes) -> None:
+        self._push(peer_pb2.PeerMsg(complete=peer_pb2.Complete(
+            room=room_key_pb(room), reader_rank=reader, num_chunks=num_chunks, aux=aux)))
+
+    def send_complete_ack(self, room: RoomKey, reader: int, code: int, message: str = "") -> None:
+        self._push(peer_pb2.PeerMsg(complete_ack=peer_pb2.CompleteAck(
+            room=room_key_pb(room), reader_rank=reader, code=code, message=message[:1000])))
+
+    def send_abort(self, room: RoomKey, code: FailureCode, reason: str, quiesced: bool) -> None:
+        self._push(peer_pb2.PeerMsg(abort=peer_pb2.Abort(
+            room=room_key_pb(room), code=common_pb2.FailureCode.ValueType(code), reason=reason[:1000],
+            quiesced=quiesced)))
+
+    async def close(self) -> None:
+        self.detach()
+        await self.channel.close()
+

@@ -1,0 +1,405 @@
+"""Peer daemons: handshakes, control streams, liveness, restarts, and routing what they send.
+
+Peers are learned from the rooms a daemon serves (ExpectRoom names the prefill daemon) and from
+the static `peers` list. A peer whose stream breaks or falls silent is lost at once: its rooms
+fail on this side and its credits are revoked. It is never blacklisted: the next connect
+handshakes again, with its new NIXL metadata if it restarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import grpc
+
+from kvxfer_client._pb.kvxfer.v1 import peer_pb2
+from kvxferd import __version__
+from kvxferd.config import Config
+from kvxferd.convert import daemon_ref, daemon_ref_pb, layout, room_key, zero_copy_target
+from kvxferd.credits import CreditWindow
+from kvxferd.domain import DaemonRef, FailureCode, RoomKey
+from kvxferd.errors import InvalidArgument, KvxferError, PermissionDenied
+from kvxferd.metrics import Metrics
+from kvxferd.peer_link import CONTROL_TIMEOUT_S, PeerLink, Session
+from kvxferd.ports import BootstrapAnswer, BootstrapMsg, CreditSpec, Identity, Link
+from kvxferd.transport import Transport
+from kvxferd.workers import WorkerPool
+
+logger = logging.getLogger(__name__)
+
+_MEMS = ("DRAM", "VRAM")
+
+
+class PeerInbox(Protocol):
+    """What the peer layer delivers to the domain (kvxferd.node.Node implements it)."""
+
+    def on_bootstrap(self, peer: Link, m: BootstrapMsg) -> BootstrapAnswer: ...
+
+    def on_bootstrap_reply(self, peer: Link, ans: BootstrapAnswer) -> None: ...
+
+    def on_credit_request(self, peer: Link, ring: str, nbytes: int) -> None: ...
+
+    def on_credit_return(self, peer: Link, ids: list[int]) -> None: ...
+
+    def on_complete(self, peer: Link, key: RoomKey, reader: int, num_chunks: int, aux: bytes) -> tuple[int, str]: ...
+
+    def on_complete_ack(self, peer: Link, key: RoomKey, reader: int, code: int, message: str) -> None: ...
+
+    def on_abort(self, peer: Link, key: RoomKey, code: FailureCode, reason: str) -> None: ...
+
+    def on_peer_lost(self, peer: Link, reason: str) -> None: ...
+
+    def on_peer_back(self, peer: Link, old_instance: str) -> None: ...
+
+    def on_peer_gone(self, peer: Link, instance: str) -> None: ...
+
+
+async def _refused(address: str) -> bool:
+    """True if a TCP connect to `address` is actively refused (no process listens there)."""
+    host, _, port = address.rpartition(":")
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), 1.0)
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    return False
+
+
+def _failure_code(value: int) -> FailureCode:
+    try:
+        return FailureCode(value)
+    except ValueError:
+        return FailureCode.UNSPECIFIED
+
+
+class PeerManager:
+    def __init__(self, ident: Identity, config: Config, transport: Transport, workers: WorkerPool,
+                 metrics: Metrics, inbox: PeerInbox, spawn: Callable[[Any, str], None]) -> None:
+        self.ident = ident
+        self.config = config
+        self._transport = transport
+        self._workers = workers
+        self._metrics = metrics
+        self._inbox = inbox
+        self._spawn = spawn
+        self._by_address: dict[str, PeerLink] = {}
+        self._by_id: dict[str, PeerLink] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._next_dial: dict[str, tuple[float, float]] = {}  # address -> (next try, last wait)
+        self._rx_batches = metrics.peer_batches.labels(direction="in")
+        self._rx_msgs = metrics.peer_messages.labels(direction="in")
+
+    # ------------------------------------------------------------------ lookups
+
+    def all(self) -> list[Link]:
+        return list(self._by_id.values())
+
+    def known(self, daemon_id: str) -> PeerLink | None:
+        return self._by_id.get(daemon_id)
+
+    def by_address(self, address: str) -> PeerLink | None:
+        return self._by_address.get(address)
+
+    @staticmethod
+    def window(peer: Link) -> CreditWindow:
+        assert isinstance(peer, PeerLink)
+        return peer.window
+
+    def link(self, address: str) -> PeerLink:
+        h = self._by_address.get(address)
+        if h is None:
+            h = PeerLink(address, self.config, self._metrics)
+            self._by_address[address] = h
+        return h
+
+    @property
+    def _me(self) -> peer_pb2.DaemonRef:
+        return daemon_ref_pb(DaemonRef(self.ident.daemon_id, self.ident.instance_id, self.ident.address))
+
+    # ------------------------------------------------------------------ dialing
+
+    async def connect(self, address: str) -> Link:
+        """A peer that is up, handshaken and has a live session (dialing one now if needed)."""
+        h = self.link(address)
+        if h.up and h.session is not None and (h.is_self or h.md_epoch_sent == self.ident.md_epoch):
+            return h
+        async with h.lock:
+            if not h.up or h.md_epoch_sent != self.ident.md_epoch:
+                await self.handshake(h)
+            if h.session is None:
+                if h.is_self:
+                    # Rooms between two engines of this daemon: the "stream" is a direct hand-off.
+                    self._start_session(h, Session(self._to_self(h), lambda: None, dialed=True))
+                else:
+                    await self._dial_session(h)
+        return h
+
+    def _to_self(self, h: PeerLink) -> Callable[[peer_pb2.PeerBatch], Any]:
+        async def write(batch: peer_pb2.PeerBatch) -> None:
+            self.on_batch(h, batch)
+
+        return write
+
+    async def handshake(self, h: PeerLink) -> None:
+        epoch = self.ident.md_epoch
+        reply = await h.stub.Handshake(
+            peer_pb2.HandshakeRequest(sender=self._me, agent_name=self._transport.name,
+                                      nixl_metadata=self._transport.metadata(), version=__version__),
+            timeout=CONTROL_TIMEOUT_S,
+        )
+        await self.adopt(h, daemon_ref(reply.sender), reply.agent_name, bytes(reply.nixl_metadata))
+        h.md_epoch_sent = epoch
+
+    async def _dial_session(self, h: PeerLink) -> None:
+        call = h.stub.Session()
+        hello = peer_pb2.PeerMsg(hello=peer_pb2.Hello(sender=self._me, peer_instance_id=h.instance_id))
+        await call.write(peer_pb2.PeerBatch(msgs=[hello]))
+        session = Session(call.write, call.cancel, dialed=True)
+        self._start_session(h, session)
+        self._spawn(self._read(h, session, call), f"session with {h.address}")
+
+    def _start_session(self, h: PeerLink, session: Session) -> None:
+        h.attach(session)
+        if h.lost_instance:
+            old, h.lost_instance = h.lost_instance, ""
+            self._inbox.on_peer_back(h, old)
+
+    async def _read(self, h: PeerLink, session: Session, batches: Any) -> None:
+        why = "control stream closed"
+        try:
+            async for batch in batches:
+                if session.closed:
+                    return
+                self.on_batch(h, batch)
+        except grpc.aio.AioRpcError as exc:
+            why = f"control stream broke: {exc.code().name}"
+        except asyncio.CancelledError:
+            return
+        except Exception as exc:
+            why = f"control stream failed: {exc!r}"
+        if h.session is session and not session.closed:
+            self.lost(h, why)
+
+    # ------------------------------------------------------------------ accepting
+
+    async def accept(self, hello: peer_pb2.Hello, session: Session) -> PeerLink:
+        """A stream opened by a peer: it must name a completed handshake of that exact instance."""
+        ref = daemon_ref(hello.sender)
+        h = self._by_id.get(ref.daemon_id)
+        if h is None or not h.up or h.instance_id != ref.instance_id:
+            raise PermissionDenied(f"daemon {ref.daemon_id!r} instance {ref.instance_id!r} has not handshaken")
+        if hello.peer_instance_id != self.ident.instance_id:
+            raise PermissionDenied("the stream was meant for another instance of this daemon")
+        self._start_session(h, session)
+        return h
+
+    async def serve_stream(self, h: PeerLink, session: Session, rest: peer_pb2.PeerBatch, batches: Any) -> None:
+        self.on_batch(h, rest)
+        await self._read(h, session, batches)
+
+    # ------------------------------------------------------------------ identities and metadata
+
+    async def adopt(self, h: PeerLink, ref: DaemonRef, agent_name: str, metadata: bytes) -> None:
+        """Records who is behind a link and loads its NIXL metadata (replacing a restarted peer's)."""
+        if ref.daemon_id == self.ident.daemon_id:
+            if ref.instance_id != self.ident.instance_id:
+                raise InvalidArgument(f"another daemon uses our daemon_id {ref.daemon_id!r}")
+            h.is_self = True
+        old = self._by_id.get(ref.daemon_id)
+        if old is not None and old is not h:
+            # Same daemon reached by another address: keep one link.
+            if old.instance_id == ref.instance_id and old.up:
+                self._by_address[h.address] = old
+                await self._reload_metadata(old, metadata)
+                return
+            self.lost(old, "peer restarted" if old.instance_id != ref.instance_id else "peer re-addressed")
+            self._by_id.pop(ref.daemon_id, None)
+        if h.up and h.instance_id == ref.instance_id and (h.agent_name or h.is_self):
+            # A repeated handshake from the same process: never remove its entry (transfers may be
+            # using it), but load metadata that changed (a GPU ring registered or released since).
+            await self._reload_metadata(h, metadata)
+            return
+        if h.up and h.instance_id and h.instance_id != ref.instance_id:
+            self.lost(h, f"peer {ref.daemon_id} restarted")
+        if h.instance_id and h.instance_id != ref.instance_id:
+            h.lost_instance = h.lost_instance or h.instance_id
+        if not h.is_self:
+            if h.agent_name:
+                await self._workers.run_blocking(self._transport.remove_remote, h.agent_name)
+            h.agent_name = await self._workers.run_blocking(self._transport.add_remote, metadata)
+            h.metadata = metadata
+        else:
+            h.agent_name = agent_name
+        h.daemon_id, h.instance_id = ref.daemon_id, ref.instance_id
+        if ref.address and ref.address != h.address:
+            self._by_address.setdefault(ref.address, h)
+        h.up = True
+        h.last_rx = time.monotonic()
+        self._by_id[ref.daemon_id] = h
+        self._refresh()
+        logger.info("peer %s (%s) is up, NIXL agent %s", ref.daemon_id, h.address, h.agent_name)
+
+    async def _reload_metadata(self, h: PeerLink, metadata: bytes) -> None:
+        """Same live peer, handshaking again. Changed metadata (it imported or released a GPU ring):
+        its NIXL entry is replaced whole while no WRITE to it is in flight."""
+        if h.is_self or not h.agent_name or metadata == h.metadata:
+            return
+        try:
+            h.agent_name = await self._workers.exclusive(h.agent_name, self._transport.add_remote, metadata)
+        except Exception as exc:
+            self.lost(h, f"loading its new NIXL metadata failed: {exc}")
+            raise
+        h.metadata = metadata
+        self._metrics.peer_metadata_reloads.labels(peer=h.daemon_id).inc()
+        logger.info("peer %s: NIXL metadata replaced (it registered or released memory)", h.daemon_id)
+
+    def lost(self, h: PeerLink, reason: str) -> None:
+        if not h.up:
+            return
+        h.up = False
+        h.lost_instance = h.instance_id
+        logger.warning("peer %s (%s) lost: %s", h.daemon_id, h.address, reason)
+        h.detach()
+        h.window.lost()
+        self._inbox.on_peer_lost(h, f"peer {h.daemon_id} lost: {reason}")
+        if h.agent_name and not h.is_self:
+            name, h.agent_name = h.agent_name, ""
+            h.metadata = b""
+            self._spawn(self._workers.run_blocking(self._transport.remove_remote, name), "remove remote")
+        self._refresh()
+
+    def _refresh(self) -> None:
+        up = sum(1 for h in self._by_id.values() if h.up)
+        self._metrics.peers.labels(state="up").set(up)
+        self._metrics.peers.labels(state="down").set(len(self._by_id) - up)
+
+    # ------------------------------------------------------------------ incoming messages
+
+    def on_batch(self, h: PeerLink, batch: peer_pb2.PeerBatch) -> None:
+        h.last_rx = time.monotonic()
+        self._rx_batches.inc()
+        if not batch.msgs:
+            return
+        self._rx_msgs.inc(len(batch.msgs))
+        for msg in batch.msgs:
+            if not h.up:
+                return
+            try:
+                self._dispatch(h, msg)
+            except KvxferError as exc:
+                logger.warning("peer %s: %s message refused: %s", h.daemon_id, msg.WhichOneof("body"), exc)
+            except Exception:
+                logger.exception("peer %s: handling a %s message failed", h.daemon_id, msg.WhichOneof("body"))
+
+    def _dispatch(self, h: PeerLink, msg: peer_pb2.PeerMsg) -> None:
+        kind = msg.WhichOneof("body")
+        inbox = self._inbox
+        if kind == "bootstrap":
+            b = msg.bootstrap
+            key = room_key(b.room)
+            try:
+                m = BootstrapMsg(key, b.prefill_group, b.reader_rank, b.decode_tp, layout(b.layout), b.num_tokens,
+                                 b.deadline_unix_ms, b.reader_ring,
+                                 zero_copy_target(b.zero_copy) if b.HasField("zero_copy") else None)
+                ans = inbox.on_bootstrap(h, m)
+            except KvxferError as exc:
+                ans = BootstrapAnswer(key, b.reader_rank, exc.code, str(exc))
+            h.send_bootstrap_reply(ans)
+        elif kind == "bootstrap_reply":
+            r = msg.bootstrap_reply
+            lay = layout(r.layout) if r.HasField("layout") and r.code == 0 else None
+            inbox.on_bootstrap_reply(h, BootstrapAnswer(room_key(r.room), r.reader_rank, r.code, r.message,
+                                                        r.prefill_tp, lay, r.zero_copy))
+        elif kind == "grant":
+            specs = []
+            for c in msg.grant.credits:
+                if c.length <= 0 or len(c.ring) > 128 or (c.mem or "DRAM") not in _MEMS:
+                    raise InvalidArgument(f"malformed credit {c.id}")
+                specs.append(CreditSpec(c.id, c.ring, c.address, c.length, c.mem or "DRAM", c.device))
+            h.window.add(specs)
+        elif kind == "credit_request":
+            inbox.on_credit_request(h, msg.credit_request.ring, msg.credit_request.bytes)
+        elif kind == "credit_return":
+            inbox.on_credit_return(h, list(msg.credit_return.ids))
+        elif kind == "revoke":
+            h.window.revoke(list(msg.revoke.ids))
+        elif kind == "reclaim":
+            h.window.reclaim(msg.reclaim.ring)
+        elif kind == "release":
+            rel = msg.release
+            h.window.release([(r.credit_id, r.offset) for r in rel.ranges], [room_key(k) for k in rel.rooms])
+        elif kind == "complete":
+            c = msg.complete
+            key = room_key(c.room)
+            code, text = inbox.on_complete(h, key, c.reader_rank, c.num_chunks, bytes(c.aux))
+            h.send_complete_ack(key, c.reader_rank, code, text)
+        elif kind == "complete_ack":
+            a = msg.complete_ack
+            inbox.on_complete_ack(h, room_key(a.room), a.reader_rank, a.code, a.message)
+        elif kind == "abort":
+            a = msg.abort
+            inbox.on_abort(h, room_key(a.room), _failure_code(a.code), a.reason[:1000])
+
+    # ------------------------------------------------------------------ liveness
+
+    def start(self) -> None:
+        for addr in self.config.peers:
+            self.link(addr)
+        self._task = asyncio.ensure_future(self._liveness())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        for h in set(self._by_address.values()):
+            await h.close()
+
+    async def _liveness(self) -> None:
+        # Every live session hears from its peer at least every interval/2 (an empty batch when
+        # idle): silence for `misses` intervals means the peer or the path is gone.
+        interval = self.config.heartbeat_interval_s
+        limit = self.config.heartbeat_misses * interval
+        while True:
+            await asyncio.sleep(interval / 4)
+            now = time.monotonic()
+            for h in set(self._by_id.values()):
+                if not h.up:
+                    continue
+                if h.session is not None and now - h.last_rx >= limit:
+                    self.lost(h, f"no word for {now - h.last_rx:.1f} s")
+                    continue
+                h.window.sweep(now)
+            # Static peers, and peers we lost, are dialed again until they answer (backing off to
+            # 4 intervals): a restarted peer is up again, with its new metadata, before the next room.
+            for addr in {*self.config.peers, *(h.address for h in self._by_address.values() if h.daemon_id)}:
+                h = self.link(addr)
+                if h.up or h.is_self or h.lock.locked() or now < self._next_dial.get(addr, (0.0, 0.0))[0]:
+                    continue
+                wait = min(self._next_dial.get(addr, (0.0, interval / 2))[1] * 2, 4 * interval)
+                self._next_dial[addr] = (now + wait, wait)
+                self._spawn(self._dial(addr), f"dial {addr}")
+
+    async def _dial(self, addr: str) -> None:
+        try:
+            await self.connect(addr)
+        except Exception as exc:
+            logger.debug("peer %s not reachable: %s", addr, exc)
+            h = self.link(addr)
+            if h.lost_instance and not h.up and await _refused(addr):
+                # Nothing listens on its port any more: the instance we lost is gone, and so is
+                # any WRITE it could still have posted into the credits it held.
+                old, h.lost_instance = h.lost_instance, ""
+                logger.info("peer %s (%s): its port refuses connections; instance %s is gone", h.daemon_id, addr, old)
+                self._inbox.on_peer_gone(h, old)
+        else:
+            self._next_dial.pop(addr, None)
+

@@ -1,0 +1,380 @@
+"""The send (prefill) side: send rooms, chunks enqueued by prefill engines, bootstraps from decode
+daemons, completion, failures, and tombstones of rooms the decode side gave up on early.
+
+Everything here runs on the event loop and talks to peers only through `ports.Link`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from kvxferd.config import Config
+from kvxferd.domain import ChunkSpec, FailureCode, Role, RoomKey, RoomState, ZeroCopyTarget
+from kvxferd.engines import Engine, EngineTable
+from kvxferd.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from kvxferd.events import EventHub, RoomClock
+from kvxferd.layout import KVLayout, part_bytes, plan, rank_heads
+from kvxferd.metrics import Metrics
+from kvxferd.ports import Link
+from kvxferd.rooms import OutChunk, RoomBase, SendRoom, WriterState
+from kvxferd.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+MAX_CHUNK_ID = 1 << 20
+MAX_AUX_BYTES = 64 << 10
+MAX_TOKENS = 1 << 24
+MAX_TOMBSTONES = 65536
+TOMBSTONE_TTL_S = 60.0
+
+
+def layouts_compatible(a: KVLayout, b: KVLayout) -> str:
+    """Empty string if prefill and decode layouts can exchange KV, else why not."""
+    for name in ("num_layers", "total_kv_heads", "head_dim", "dtype_bytes", "mla"):
+        if getattr(a, name) != getattr(b, name):
+            return f"{name} differs: prefill {getattr(a, name)} vs decode {getattr(b, name)}"
+    return ""
+
+
+class SendSide:
+    def __init__(self, config: Config, engines: EngineTable, hub: EventHub, clock: RoomClock, metrics: Metrics,
+                 refresh: Callable[[], None]) -> None:
+        self.config = config
+        self.engines = engines
+        self.hub = hub
+        self.clock = clock
+        self.metrics = metrics
+        self.refresh = refresh
+        self.rooms: dict[int, SendRoom] = {}
+        self.scheduler: Scheduler  # set by the node once the workers exist
+        # room id -> (key, code, reason, expiry): rooms the decode side failed before we had them.
+        self._tombstones: dict[int, tuple[RoomKey, FailureCode, str, float]] = {}
+
+    # ------------------------------------------------------------------ rooms
+
+    def _new_room(self, key: RoomKey, group: str) -> SendRoom:
+        engines = self.engines.group(group, Role.PREFILL)
+        if not engines:
+            raise NotFound(f"no prefill engine of group {group!r} is registered on this daemon")
+        spec = engines[0].spec
+        room = SendRoom(key, self.config.room_deadline_s, group, spec.parallel.tp_size, spec.layout)
+        self.rooms[key.id] = room
+        self.clock.arm_deadline(room, self.config.room_deadline_s, self._deadline)
+        logger.debug("room %s: prefill side created (group %s)", key, group)
+        return room
+
+    def _room_for(self, key: RoomKey, group: str) -> SendRoom:
+        room = self.rooms.get(key.id)
+        if room is not None:
+            if key.generation < room.key.generation:
+                raise FailedPrecondition(f"room {key}: stale generation (current generation is {room.key.generation})")
+            if key.generation > room.key.generation:
+                self.fail(room, FailureCode.SUPERSEDED, f"room id reused with generation {key.generation}")
+                self._forget(room)
+                room = None
+            elif room.group != group:
+                raise InvalidArgument(f"room {key} belongs to prefill group {room.group!r}, not {group!r}")
+        return room if room is not None else self._new_room(key, group)
+
+    def owes_chunks(self, eng: Engine) -> bool:
+        """Does an unfinished room still wait for chunks from this engine's rank?"""
+        for room in self.rooms.values():
+            if room.finished or room.group != eng.spec.group:
+                continue
+            w = room.writers.get(eng.rank)
+            if w is None or (w.engine is eng and w.last_id is None):
+                return True
+        return False
+
+    # ------------------------------------------------------------------ chunks from engines
+
+    def _check_chunk(self, eng: Engine, chunk: ChunkSpec) -> None:
+        if not 0 <= chunk.chunk_id < MAX_CHUNK_ID:
+            raise InvalidArgument(f"chunk_id must be < {MAX_CHUNK_ID}, got {chunk.chunk_id}")
+        if not 1 <= chunk.num_tokens <= MAX_TOKENS or chunk.token_start + chunk.num_tokens > MAX_TOKENS:
+            raise InvalidArgument(f"token range [{chunk.token_start}, +{chunk.num_tokens}) is invalid")
+        if len(chunk.aux) > MAX_AUX_BYTES:
+            raise InvalidArgument(f"aux is {len(chunk.aux)} B; at most {MAX_AUX_BYTES} B")
+        if chunk.aux and not chunk.last:
+            raise InvalidArgument("aux may only accompany the last chunk")
+        if eng.spec.zero_copy:
+            self.engines.check_pages(eng, chunk.pages, chunk.num_tokens, "chunk")
+            if chunk.token_start % eng.spec.layout.page_size:
+                raise InvalidArgument(
+                    f"zero-copy chunks start on a page boundary; token_start {chunk.token_start} is not a multiple "
+                    f"of page_size {eng.spec.layout.page_size}"
+                )
+            return
+        if chunk.pages:
+            raise InvalidArgument("pages are only for zero-copy engines; this engine sends slots")
+        if chunk.slot.offset not in eng.acquired:
+            raise InvalidArgument(
+                f"slot at offset {chunk.slot.offset} is not a slot this engine acquired (or it was already enqueued)"
+            )
+        held = eng.ring.alloc.slot_length(chunk.slot.offset) or 0
+        p = eng.spec.parallel
+        need = part_bytes(eng.spec.layout, p.tp_size, p.tp_rank, chunk.num_tokens)
+        if chunk.slot.length != 0 and chunk.slot.length > held:
+            raise InvalidArgument(f"slot length {chunk.slot.length} exceeds the acquired {held} B")
+        if need > held:
+            raise InvalidArgument(f"{chunk.num_tokens} tokens need {need} B but the slot holds {held} B")
+
+    def enqueue(self, engine_id: str, chunk: ChunkSpec) -> None:
+        eng = self.engines.get(engine_id, Role.PREFILL)
+        key = chunk.room
+        self._check_chunk(eng, chunk)
+        room = self.rooms.get(key.id)
+        if room is None or room.key.generation < key.generation:
+            if not self.engines.serving:
+                raise Unavailable("daemon is draining and accepts no new rooms")
+            dead = self._tombstones.get(key.id)
+            if dead is not None and dead[0] == key and dead[3] > time.monotonic():
+                raise FailedPrecondition(f"room {key} is FAILED ({dead[1].name}) on the decode side: {dead[2]}")
+        room = self._room_for(key, eng.spec.group)
+        if room.finished:
+            raise FailedPrecondition(
+                f"room {key} is {room.state.name}" + (f": {room.failure_reason}" if room.state is RoomState.FAILED else "")
+            )
+        if room.num_tokens is not None and chunk.token_start + chunk.num_tokens > room.num_tokens:
+            raise InvalidArgument(
+                f"room {key}: tokens [{chunk.token_start}, {chunk.token_start + chunk.num_tokens}) "
+                f"exceed the room's {room.num_tokens} tokens"
+            )
+        w = room.writers.get(eng.rank)
+        if w is not None and w.engine is not eng:
+            raise FailedPrecondition(f"room {key}: rank {eng.rank} is already sending from another engine")
+        if w is None:
+            w = WriterState(eng)
+        if chunk.chunk_id in w.chunks:
+            raise AlreadyExists(f"room {key}: chunk {chunk.chunk_id} was already enqueued by rank {eng.rank}")
+        if w.last_id is not None and chunk.chunk_id > w.last_id:
+            raise InvalidArgument(f"room {key}: chunk {chunk.chunk_id} comes after the last chunk {w.last_id}")
+        if chunk.last and w.chunks and max(w.chunks) > chunk.chunk_id:
+            raise InvalidArgument(f"room {key}: last chunk {chunk.chunk_id} precedes chunk {max(w.chunks)}")
+        # Accepted: from here on the daemon owns the slot.
+        room.writers[eng.rank] = w
+        eng.send_rooms.add(key.id)
+        eng.acquired.discard(chunk.slot.offset)
+        out = OutChunk(eng.rank, eng, chunk, slot_freed=eng.spec.zero_copy)
+        w.chunks[chunk.chunk_id] = out
+        if chunk.last:
+            w.last_id = chunk.chunk_id
+            w.aux = chunk.aux
+        if room.first_chunk_at is None:
+            room.first_chunk_at = time.monotonic()
+        if room.bootstrapped and room.advance(RoomState.TRANSFERRING):
+            self.hub.send_state(room)
+        self.scheduler.submit(room, out)
+        self.refresh()
+
+    # ------------------------------------------------------------------ bootstrap from a decode daemon
+
+    def bootstrap(
+        self, peer: Link, key: RoomKey, group: str, reader: int, decode_tp: int, layout: KVLayout, num_tokens: int,
+        deadline_unix_ms: int, reader_ring: str, zero_copy: ZeroCopyTarget | None = None,
+    ) -> SendRoom:
+        if not 1 <= decode_tp <= 1024 or not 0 <= reader < decode_tp:
+            raise InvalidArgument(f"reader rank {reader} must be in [0, decode_tp={decode_tp})")
+        if not 1 <= num_tokens <= MAX_TOKENS:
+            raise InvalidArgument(f"num_tokens must be 1..{MAX_TOKENS}")
+        if len(group) > 128 or len(reader_ring) > 128:
+            raise InvalidArgument("group and reader_ring are names of at most 128 characters")
+        room = self.rooms.get(key.id)
+        if room is None or room.key.generation < key.generation:
+            self.engines.require_serving()
+        room = self._room_for(key, group)
+        if room.finished:
+            raise FailedPrecondition(f"room {key} is already {room.state.name}: {room.failure_reason}")
+        assert room.layout is not None
+        why = layouts_compatible(room.layout, layout)
+        if why:
+            self.fail(room, FailureCode.MISMATCH, f"layout mismatch: {why}", push=False)
+            raise FailedPrecondition(f"room {key}: layout mismatch: {why}")
+        try:
+            rank_heads(layout.total_kv_heads, decode_tp, reader, layout.mla)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from exc
+        group_zc = self.engines.group(group, Role.PREFILL)[0].spec.zero_copy
+        if group_zc != (zero_copy is not None):
+            why = "prefill group is zero-copy but the reader is not" if group_zc else (
+                "reader is zero-copy but the prefill group sends slots")
+            self.fail(room, FailureCode.MISMATCH, why, push=False)
+            raise FailedPrecondition(f"room {key}: zero-copy mismatch: {why}")
+        if zero_copy is not None:
+            if room.prefill_tp != decode_tp and not layout.mla:
+                raise FailedPrecondition(
+                    f"room {key}: zero-copy needs the same TP on both sides (or MLA); "
+                    f"prefill {room.prefill_tp}, decode {decode_tp}"
+                )
+            if layout.page_size != room.layout.page_size:
+                raise FailedPrecondition(f"room {key}: zero-copy needs equal page sizes")
+            if len(zero_copy.pages) != -(-num_tokens // layout.page_size) or zero_copy.num_slots <= 0:
+                raise InvalidArgument(f"room {key}: zero-copy target pages do not cover {num_tokens} tokens")
+        if room.decode_tp is not None and room.decode_tp != decode_tp:
+            raise InvalidArgument(f"room {key}: decode_tp {decode_tp} differs from {room.decode_tp}")
+        if room.num_tokens is not None and room.num_tokens != num_tokens:
+            raise InvalidArgument(f"room {key}: num_tokens {num_tokens} differs from {room.num_tokens}")
+        if room.peer is not None and room.peer is not peer:
+            raise InvalidArgument(f"room {key} is bootstrapped by another decode daemon")
+        for w in room.writers.values():
+            for c in w.chunks.values():
+                if c.spec.token_start + c.spec.num_tokens > num_tokens:
+                    self.fail(room, FailureCode.MISMATCH, "an enqueued chunk exceeds the room's tokens")
+                    raise FailedPrecondition(f"room {key}: enqueued chunks exceed {num_tokens} tokens")
+        if zero_copy is not None:
+            room.zero_copy = True
+            room.zc_targets[reader] = zero_copy
+        room.peer = peer
+        room.decode_tp = decode_tp
+        room.num_tokens = num_tokens
+        room.readers.add(reader)
+        room.reader_rings[reader] = reader_ring
+        if deadline_unix_ms:
+            remaining = deadline_unix_ms / 1000 - time.time()
+            self.clock.arm_deadline(room, max(0.0, remaining), self._deadline)
+        if len(room.readers) == decode_tp and not room.bootstrapped:
+            room.plan = plan(room.prefill_tp, decode_tp, room.layout.total_kv_heads, room.layout.mla)
+            room.bootstrapped = True
+            room.advance(RoomState.WAITING_FOR_INPUT)
+            if room.writers:
+                room.advance(RoomState.TRANSFERRING)
+            logger.debug("room %s: bootstrapped by %d reader(s) of %s", key, decode_tp, peer.daemon_id)
+            self.hub.send_state(room)
+            self.scheduler.room_ready(room)
+        self.refresh()
+        return room
+
+    # ------------------------------------------------------------------ progress and completion
+
+    def chunk_done(self, room: SendRoom, chunk: OutChunk) -> None:
+        """All parts of a chunk are written (or the room failed): give back the source slot."""
+        if not chunk.slot_freed and chunk.in_flight == 0:
+            chunk.slot_freed = True
+            self.engines.free_slot(chunk.engine, chunk.spec.slot.offset)
+        if room.finished or chunk.done or chunk.parts_pending:
+            self.refresh()
+            return
+        chunk.done = True
+        w = room.writers[chunk.writer]
+        w.done.add(chunk.spec.chunk_id)
+        self.hub.send_state(room, writer=chunk.writer)
+        if room.all_writers_finished() and not room.complete_sent:
+            last_ids = {w.last_id for w in room.writers.values()}
+            if len(last_ids) != 1:
+                self.fail(room, FailureCode.MISMATCH, f"writers disagree on the last chunk: {last_ids}")
+                return
+            assert room.peer is not None and room.decode_tp is not None
+            room.complete_sent = True
+            last = last_ids.pop()
+            assert last is not None
+            aux = room.writers[0].aux if 0 in room.writers else b""
+            room.acks_pending = set(range(room.decode_tp))
+            for r in range(room.decode_tp):
+                room.peer.send_complete(room.key, r, last + 1, aux)
+
+    def complete_ack(self, peer: Link, key: RoomKey, reader: int, code: int, message: str) -> None:
+        room = self.rooms.get(key.id)
+        if room is None or room.key != key or room.peer is not peer or room.finished:
+            return
+        if code:
+            self.fail(room, FailureCode.MISMATCH, f"decode side refused completion: {message}", push=False)
+            return
+        room.acks_pending.discard(reader)
+        if room.complete_sent and not room.acks_pending and room.advance(RoomState.SUCCESS):
+            self._finish_metrics(room)
+            logger.debug("room %s: prefill side SUCCESS", room.key)
+            self.hub.send_state(room)
+            self.clock.arm_gc(room, self._gc)
+            self.refresh()
+
+    # ------------------------------------------------------------------ failure
+
+    def fail(self, room: SendRoom, code: FailureCode, reason: str, push: bool = True) -> None:
+        if not room.fail(code, reason):
+            return
+        logger.warning("room %s: prefill side FAILED (%s): %s", room.key, code.name, reason)
+        self.metrics.room_failures.labels(reason=code.name).inc()
+        self._finish_metrics(room)
+        self.scheduler.room_failed(room)
+        for w in room.writers.values():
+            for c in w.chunks.values():
+                if c.in_flight == 0 and not c.slot_freed:
+                    c.slot_freed = True
+                    self.engines.free_slot(c.engine, c.spec.slot.offset)
+        if push and room.peer is not None and room.peer.up:
+            room.peer.send_abort(room.key, code, reason, quiesced=room.in_flight == 0)
+        self.hub.send_state(room)
+        self.clock.arm_gc(room, self._gc)
+        self.refresh()
+
+    def _deadline(self, room: RoomBase) -> None:
+        assert isinstance(room, SendRoom)
+        if not room.finished:
+            self.fail(room, FailureCode.DEADLINE,
+                      f"deadline passed after {time.monotonic() - room.created:.1f} s in state {room.state.name}")
+
+    def _gc(self, room: RoomBase) -> None:
+        assert isinstance(room, SendRoom)
+        if room.in_flight:
+            self.clock.rearm_gc(room, self._gc)
+            return
+        self._forget(room)
+        self.refresh()
+
+    def _forget(self, room: SendRoom) -> None:
+        if self.rooms.get(room.key.id) is room:
+            del self.rooms[room.key.id]
+        for w in room.writers.values():
+            w.engine.send_rooms.discard(room.key.id)
+        self.clock.cancel(room)
+
+    def _finish_metrics(self, room: SendRoom) -> None:
+        self.metrics.rooms_finished.labels(role="prefill", state=room.state.name).inc()
+        if room.state is RoomState.SUCCESS:
+            self.metrics.room_duration.labels(role="prefill").observe(time.monotonic() - room.created)
+
+    # ------------------------------------------------------------------ peers and engines
+
+    def peer_abort(self, peer: Link, key: RoomKey, code: FailureCode, reason: str) -> None:
+        room = self.rooms.get(key.id)
+        if room is not None and room.key == key and room.peer is peer:
+            self.fail(room, code, f"decode side: {reason}", push=False)
+        elif room is None or room.key.generation < key.generation:
+            # The decode side gave up on a room before any prefill rank sent a chunk (its deadline,
+            # an abort): remember it, or the first chunk would open a room nobody bootstraps,
+            # holding the engine's slots until our own deadline.
+            now = time.monotonic()
+            if len(self._tombstones) >= MAX_TOMBSTONES:
+                for rid in [r for r, t in self._tombstones.items() if t[3] < now] or list(self._tombstones)[:1024]:
+                    del self._tombstones[rid]
+            self._tombstones[key.id] = (key, code, reason, now + TOMBSTONE_TTL_S)
+
+    def peer_lost(self, peer: Link, reason: str) -> None:
+        for room in list(self.rooms.values()):
+            if room.peer is peer and not room.finished:
+                self.fail(room, FailureCode.PEER_LOST, reason, push=False)
+
+    def engine_gone(self, eng: Engine, code: FailureCode, reason: str) -> None:
+        for rid in list(eng.send_rooms):
+            room = self.rooms.get(rid)
+            if room is not None:
+                self.fail(room, code, f"{reason} (prefill rank {eng.rank})")
+        if eng.role is not Role.PREFILL:
+            return
+        # Rooms of its group that this rank had not joined yet can never get its part now.
+        for room in list(self.rooms.values()):
+            if room.group == eng.spec.group and not room.finished and eng.rank not in room.writers:
+                self.fail(room, code, f"{reason} (prefill rank {eng.rank}, before its first chunk)")
+
+    def release(self, eng: Engine, room: SendRoom) -> None:
+        eng.send_rooms.discard(room.key.id)
+        if not any(room.key.id in w.engine.send_rooms for w in room.writers.values()):
+            self._forget(room)
+
+    def own(self, eng: Engine, key: RoomKey) -> SendRoom:
+        room = self.rooms.get(key.id)
+        if room is None or room.key.generation != key.generation or eng.rank not in room.writers:
+            raise NotFound(f"room {key} has no chunks from this engine")
+        return room
