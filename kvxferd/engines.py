@@ -48,6 +48,8 @@ class Engine:
     ring: Ring
     lease_deadline: float
     acquired: set[int] = field(default_factory=set)
+    # Set whenever a slot of this engine's ring is freed: AcquireSlot calls waiting for space.
+    space: asyncio.Event = field(default_factory=asyncio.Event)
     watchers: set[asyncio.Queue[RoomEvent | None]] = field(default_factory=set)
     send_rooms: set[int] = field(default_factory=set)
     recv_rooms: set[int] = field(default_factory=set)
@@ -115,9 +117,9 @@ class EngineTable:
         if not self.serving:
             raise Unavailable("daemon is draining and accepts no new work")
 
-    def slots_held(self) -> int:
-        n = sum(e.ring.alloc.slots_held for e in self.engines.values())
-        return n + sum(e.ring.alloc.slots_held for e in self._closing)
+    def source_slots_held(self) -> int:
+        """Slots of prefill rings (a decode ring's space is handed out as credits: credits.py)."""
+        return sum(e.ring.alloc.slots_held for e in [*self.engines.values(), *self._closing] if e.role is Role.PREFILL)
 
     def ring_metrics(self, ring: Ring) -> None:
         self.metrics.ring_used.labels(ring=ring.name).set(ring.alloc.used_bytes)
@@ -248,6 +250,7 @@ class EngineTable:
         eng.acquired.clear()
         for q in list(eng.watchers):
             q.put_nowait(None)
+        eng.space.set()
         self.engines.pop(eng.id, None)
         self._closing.append(eng)
         self.maybe_close_ring(eng)
@@ -285,6 +288,7 @@ class EngineTable:
     def free_slot(self, eng: Engine, offset: int) -> None:
         eng.ring.alloc.free(offset)
         self.ring_metrics(eng.ring)
+        eng.space.set()
         if eng.closing:
             self.maybe_close_ring(eng)
 
@@ -310,6 +314,23 @@ class EngineTable:
         eng.acquired.add(off)
         self.ring_metrics(eng.ring)
         return SlotRef(off, eng.ring.alloc.slot_length(off) or nbytes), nbytes
+
+    async def acquire_slot_wait(self, engine_id: str, num_tokens: int, wait_s: float) -> tuple[SlotRef, int]:
+        """acquire_slot, waiting up to wait_s for space while the ring is full."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            eng = self.get(engine_id, Role.PREFILL)
+            eng.space.clear()
+            try:
+                return self.acquire_slot(engine_id, num_tokens)
+            except ResourceExhausted:
+                left = deadline - time.monotonic()
+                if left <= 0 or eng.closing:
+                    raise
+            try:
+                await asyncio.wait_for(eng.space.wait(), left)
+            except asyncio.TimeoutError:
+                pass
 
     def release_slot(self, engine_id: str, slot: SlotRef) -> None:
         eng = self.get(engine_id, Role.PREFILL)

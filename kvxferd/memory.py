@@ -116,11 +116,49 @@ class RingAllocator:
 _POOL_RE = re.compile(r"^kvxferd-(\d+)-[0-9a-f]+\.pool$")
 
 
+def huge_page_size(directory: str) -> int:
+    """The page size of the hugetlbfs mount holding `directory`, or 0 if it is not on one.
+
+    A pool on huge pages is what makes NIXL's copies cheap on one host: UCX's CMA transport pins
+    every page of both buffers per WRITE, and with 4 KiB tmpfs pages (shmem THP is off by default)
+    measured copies ran at about 0.4x of the same copy between buffers on transparent huge pages.
+    """
+    try:
+        real = os.path.realpath(directory)
+        best, size = "", 0
+        with open("/proc/mounts") as fh:
+            for line in fh:
+                parts = line.split()
+                if len(parts) < 4 or not (real == parts[1] or real.startswith(parts[1].rstrip("/") + "/")):
+                    continue
+                if len(parts[1]) < len(best):
+                    continue
+                best = parts[1]
+                size = 0
+                if parts[2] == "hugetlbfs":
+                    size = 2 << 20
+                    for opt in parts[3].split(","):
+                        if opt.startswith("pagesize="):
+                            size = parse_page_size(opt.split("=", 1)[1])
+        return size
+    except OSError:
+        return 0
+
+
+def parse_page_size(text: str) -> int:
+    m = re.fullmatch(r"(\d+)([KMG]?)", text.upper().rstrip("B"))
+    if not m:
+        return 2 << 20
+    return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2)]
+
+
 class HostPool:
-    """One shared-memory file per daemon, mapped here and by local engines."""
+    """One shared-memory file per daemon, mapped here and by local engines. On a hugetlbfs mount
+    (`shm_dir = "/dev/hugepages"`) the pool is backed by huge pages; see huge_page_size."""
 
     def __init__(self, shm_dir: str, size: int, tag: str, mode: int = 0o600) -> None:
-        self.size = align_up(size, REGION_ALIGN)
+        self.page_size = huge_page_size(shm_dir)
+        self.size = align_up(size, self.page_size or REGION_ALIGN)
         self.tag = tag
         _remove_stale_pools(shm_dir)
         self.path = str(Path(shm_dir) / f"kvxferd-{os.getpid()}-{tag}.pool")

@@ -108,7 +108,7 @@ class Node:
         for role in ("prefill", "decode"):
             m.engines.labels(role=role).set(
                 sum(1 for e in self.engines.engines.values() if e.role.name.lower() == role))
-        m.slots_held.set(self.engines.slots_held())
+        m.slots_held.set(self.slots_held())
         self.send.scheduler.sync_gauges()
 
     def _engine_gone(self, eng: Engine, code: FailureCode, reason: str) -> None:
@@ -142,6 +142,11 @@ class Node:
 
     def acquire_slot(self, engine_id: str, num_tokens: int) -> tuple[SlotRef, int]:
         got = self.engines.acquire_slot(engine_id, num_tokens)
+        self.refresh_metrics()
+        return got
+
+    async def acquire_slot_wait(self, engine_id: str, num_tokens: int, wait_s: float) -> tuple[SlotRef, int]:
+        got = await self.engines.acquire_slot_wait(engine_id, num_tokens, wait_s)
         self.refresh_metrics()
         return got
 
@@ -226,6 +231,9 @@ class Node:
         for rroom in list(self.recv.rooms.values()):
             self.recv.fail(rroom, code, reason)
 
+    def slots_held(self) -> int:
+        return self.engines.source_slots_held() + self.ledger.slots_held()
+
     def rooms_with(self, peer: Link) -> int:
         return sum(1 for r in [*self.send.rooms.values(), *self.recv.rooms.values()]
                    if r.peer is peer and not r.finished)
@@ -241,7 +249,7 @@ class Node:
             "engines": list(self.engines.engines.values()),
             "peers": self.peers_view(),
             "rooms_by_state": counts,
-            "slots_held": self.engines.slots_held(),
+            "slots_held": self.slots_held(),
             "pool_bytes": self.pool.size,
             "uptime_s": time.monotonic() - self.started,
             "peer_address": self.ident.address,

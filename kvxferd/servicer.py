@@ -117,7 +117,13 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         return engine_pb2.KeepAliveReply(lease_ms=int(self._node.keep_alive(request.engine_id) * 1000))
 
     async def AcquireSlot(self, request: engine_pb2.AcquireSlotRequest, context: Any) -> engine_pb2.AcquireSlotReply:
-        slot, nbytes = self._node.acquire_slot(request.engine_id, request.num_tokens)
+        if request.wait_ms:
+            # Bounded by the call's own deadline too: a waiting call never outlives its caller.
+            left = context.time_remaining()
+            wait_s = min(request.wait_ms / 1000, 600.0, max(0.0, left - 0.05) if left is not None else 600.0)
+            slot, nbytes = await self._node.acquire_slot_wait(request.engine_id, request.num_tokens, wait_s)
+        else:
+            slot, nbytes = self._node.acquire_slot(request.engine_id, request.num_tokens)
         return engine_pb2.AcquireSlotReply(
             slot=common_pb2.Slot(offset=slot.offset, length=slot.length), chunk_bytes=nbytes
         )

@@ -22,6 +22,7 @@ from kvxfer_client._common import (
     RoomState,
     RoomStatus,
     Slot,
+    acquire_request,
     bytes_tensor,
     chunk_request,
     enqueue_results,
@@ -173,18 +174,17 @@ class AsyncPrefillSender(_AsyncEngineClient):
     role = engine_pb2.ROLE_PREFILL
 
     async def acquire(self, num_tokens: int, timeout: float = 30.0) -> Slot:
+        """A slot for `num_tokens` tokens; while the ring is full the daemon holds the call until
+        a transfer frees one (no polling), up to `timeout`."""
         deadline = time.monotonic() + timeout
-        delay = 0.0005
-        req = engine_pb2.AcquireSlotRequest(engine_id=self.engine_id, num_tokens=num_tokens)
         while True:
+            req = acquire_request(self.engine_id, num_tokens, deadline, self._timeout)
             try:
-                reply = await self.stub.AcquireSlot(req, timeout=self._timeout)
+                reply = await self.stub.AcquireSlot(req, timeout=req.wait_ms / 1000 + self._timeout)
                 return Slot(reply.slot.offset, reply.slot.length, reply.chunk_bytes)
             except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > deadline:
+                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() >= deadline:
                     raise wrap_rpc_error(exc) from None
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.02)
 
     async def release_slot(self, slot: Slot) -> None:
         await self._call(self.stub.ReleaseSlot, engine_pb2.ReleaseSlotRequest(

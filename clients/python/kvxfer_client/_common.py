@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import mmap
 import os
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -200,6 +201,12 @@ def registration(reply: engine_pb2.RegisterEngineReply) -> Registration:
         ring_offset=reply.ring_offset, ring_bytes=reply.ring_bytes, lease_ms=reply.lease_ms,
         daemon_id=reply.daemon_id, peer_address=reply.peer_address,
     )
+
+
+def acquire_request(engine_id: str, num_tokens: int, deadline: float, call_timeout: float) -> engine_pb2.AcquireSlotRequest:
+    """The daemon waits for space itself, in rounds of at most one call timeout."""
+    wait_s = max(0.0, min(deadline - time.monotonic(), call_timeout))
+    return engine_pb2.AcquireSlotRequest(engine_id=engine_id, num_tokens=num_tokens, wait_ms=int(wait_s * 1000))
 
 
 def room_pb(room: int, generation: int = 0) -> common_pb2.RoomKey:

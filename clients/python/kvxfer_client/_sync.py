@@ -22,6 +22,7 @@ from kvxfer_client._common import (
     RoomState,
     RoomStatus,
     Slot,
+    acquire_request,
     bytes_tensor,
     chunk_request,
     enqueue_results,
@@ -171,19 +172,17 @@ class PrefillSender(_EngineClient):
     role = engine_pb2.ROLE_PREFILL
 
     def acquire(self, num_tokens: int, timeout: float = 30.0) -> Slot:
-        """A slot for `num_tokens` tokens; waits while the ring is full (transfers free slots)."""
+        """A slot for `num_tokens` tokens; while the ring is full the daemon holds the call until
+        a transfer frees one (no polling), up to `timeout`."""
         deadline = time.monotonic() + timeout
-        delay = 0.0005
-        req = engine_pb2.AcquireSlotRequest(engine_id=self.engine_id, num_tokens=num_tokens)
         while True:
+            req = acquire_request(self.engine_id, num_tokens, deadline, self._timeout)
             try:
-                reply = self.stub.AcquireSlot(req, timeout=self._timeout)
+                reply = self.stub.AcquireSlot(req, timeout=req.wait_ms / 1000 + self._timeout)
                 return Slot(reply.slot.offset, reply.slot.length, reply.chunk_bytes)
             except grpc.RpcError as exc:
-                if exc.code() != _RETRYABLE_FULL or time.monotonic() > deadline:
+                if exc.code() != _RETRYABLE_FULL or time.monotonic() >= deadline:
                     raise wrap_rpc_error(exc) from None
-            time.sleep(delay)
-            delay = min(delay * 2, 0.02)
 
     def release_slot(self, slot: Slot) -> None:
         self._call(self.stub.ReleaseSlot, engine_pb2.ReleaseSlotRequest(

@@ -94,12 +94,14 @@ class KeepAliveReply(_message.Message):
     def __init__(self, lease_ms: _Optional[int] = ...) -> None: ...
 
 class AcquireSlotRequest(_message.Message):
-    __slots__ = ("engine_id", "num_tokens")
+    __slots__ = ("engine_id", "num_tokens", "wait_ms")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     num_tokens: int
-    def __init__(self, engine_id: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    wait_ms: int
+    def __init__(self, engine_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
 class AcquireSlotReply(_message.Message):
     __slots__ = ("slot", "chunk_bytes")
