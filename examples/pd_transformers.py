@@ -265,13 +265,15 @@ class PagedPool:
             self.k[layer][slots] = kv[:, layer, 0].transpose(0, 1)
             self.v[layer][slots] = kv[:, layer, 1].transpose(0, 1)
 
-    def chunk_pages(self, pages: torch.Tensor, start: int, num_tokens: int) -> torch.Tensor:
-        # The kernels address a chunk from the start of its first page; chunked prefill keeps chunk
-        # boundaries on page boundaries (checked when the run is set up), so this is exact.
-        if start % self.page_size:
-            raise ValueError(f"chunk starts at token {start}, not on a page boundary of {self.page_size}")
-        first = start // self.page_size
-        return pages[first : first + -(-num_tokens // self.page_size)]
+    def chunk_pages(self, pages: torch.Tensor, start: int, num_tokens: int) -> tuple[torch.Tensor, int]:
+        """The pages holding tokens [start, start + num_tokens) and where ``start`` sits in the first.
+
+        Chunks are cut by a token budget, not by page: a chunk may start and end mid-page. The
+        kernels copy exactly the chunk's tokens from that offset, so a partial page is filled by
+        the two chunks that share it, each writing only its own tokens.
+        """
+        first, offset = divmod(start, self.page_size)
+        return pages[first : -(-(start + num_tokens) // self.page_size)], offset
 
 
 def slot_tensor(client: Any, offset: int, length: int) -> torch.Tensor:
@@ -361,8 +363,9 @@ def _prefill_rank(spec: Spec, rank: int) -> dict[str, Any]:
                         n = end - start
                         slot = tx.acquire(n, timeout=spec.timeout)
                         dst = slot_tensor(tx, slot.offset, slot.chunk_bytes)
-                        pool.kv.gather(pool.chunk_pages(pages[(dt, room.index)], start, n), n, spec.page_size,
-                                       dst, backend=spec.backend)
+                        chunk_pages, offset = pool.chunk_pages(pages[(dt, room.index)], start, n)
+                        pool.kv.gather(chunk_pages, n, spec.page_size, dst, token_offset=offset,
+                                       backend=spec.backend)
                         device_sync(spec.device)
                         del dst  # no view of the ring may outlive the client's mapping
                         last = end == room.num_tokens
@@ -461,16 +464,18 @@ def _decode_rank(spec: Spec, rank: int, results: Any) -> dict[str, Any]:
                     if c.chunk_id in rec.done:
                         continue
                     src = slot_tensor(rx, c.offset, c.chunk_bytes)
-                    chunk_pages = pool.chunk_pages(rec.pages, c.token_start, c.num_tokens)
+                    chunk_pages, offset = pool.chunk_pages(rec.pages, c.token_start, c.num_tokens)
                     if swap:
                         # Test-only fault: local head h lands where head count-1-h belongs.
                         per_head = c.chunk_bytes // heads.count
                         for h in range(heads.count):
                             pool.kv.scatter(chunk_pages, c.num_tokens, spec.page_size,
                                             src[h * per_head : (h + 1) * per_head],
-                                            head_start=heads.count - 1 - h, num_heads=1, backend=spec.backend)
+                                            head_start=heads.count - 1 - h, num_heads=1, token_offset=offset,
+                                            backend=spec.backend)
                     else:
-                        pool.kv.scatter(chunk_pages, c.num_tokens, spec.page_size, src, backend=spec.backend)
+                        pool.kv.scatter(chunk_pages, c.num_tokens, spec.page_size, src, token_offset=offset,
+                                        backend=spec.backend)
                     device_sync(spec.device)
                     del src
                     rx.watermark(rid, [c.chunk_id])
@@ -777,7 +782,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Spec]:
     p.add_argument("--seed", type=int, default=0, help="weights and prompts")
     p.add_argument("--rooms", type=int, default=8, help="prompts, of different lengths, served at once")
     p.add_argument("--prompt-tokens", type=int, default=48, help="longest prompt; the others are shorter")
-    p.add_argument("--chunk-tokens", type=int, default=16, help="chunked prefill size (a multiple of --page-size)")
+    p.add_argument("--chunk-tokens", type=int, default=16, help="chunked prefill size (any: chunks may start and end mid-page)")
     p.add_argument("--page-size", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=8, help="greedy tokens per room, the prefill's first included")
     p.add_argument("--prefill-tp", type=int, default=1)
@@ -805,8 +810,6 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Spec]:
         p.error(f"--rooms must be below {ROOM_STRIDE}")
     if args.heads % args.kv_heads:
         p.error(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
-    if args.chunk_tokens % args.page_size:
-        p.error("--chunk-tokens must be a multiple of --page-size: every chunk starts on a page boundary")
     dtypes = tuple(_DTYPE_ALIASES.get(d.strip(), d.strip()) for d in args.dtype.split(",") if d.strip())
     bad = [d for d in dtypes if d not in DTYPES]
     if bad or not dtypes or len(set(dtypes)) != len(dtypes):

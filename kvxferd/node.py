@@ -59,6 +59,9 @@ QUARANTINE_S = 30.0
 MAX_TOMBSTONES = 65536
 NOTIF_PREFIX = b"kvx1"
 BOOTSTRAP_RETRY_S = 5.0
+# A prefill group that is not registered yet (start-up, restart, autoscaling) is waited for until the
+# room's deadline, polling with back-off between these bounds.
+BOOTSTRAP_BACKOFF_S = (0.05, 1.0)
 _PEER_DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
@@ -811,6 +814,9 @@ class Node:
         assert room.layout is not None
         deadline_ms = int((time.time() + room.deadline_s - (time.monotonic() - room.created)) * 1000)
         retry_until = time.monotonic() + BOOTSTRAP_RETRY_S
+        # Stop just before the deadline timer so the failure names what the room waited for.
+        group_wait_until = room.created + room.deadline_s - 0.1
+        backoff = BOOTSTRAP_BACKOFF_S[0]
         while True:
             try:
                 peer = await self.peers.connect(room.prefill_address)
@@ -826,10 +832,20 @@ class Node:
                 )
                 break
             except grpc.aio.AioRpcError as exc:
-                # The prefill engines may still be starting: a missing group gets a short grace.
-                if exc.code() == grpc.StatusCode.NOT_FOUND and time.monotonic() < retry_until and not room.finished:
-                    await asyncio.sleep(0.1)
-                    continue
+                # The prefill engines may not have registered yet: wait for them, with back-off,
+                # for as long as the room may live.
+                if exc.code() == grpc.StatusCode.NOT_FOUND and not room.finished:
+                    left = group_wait_until - time.monotonic()
+                    if left > 0:
+                        await asyncio.sleep(min(backoff, left))
+                        backoff = min(2 * backoff, BOOTSTRAP_BACKOFF_S[1])
+                        continue
+                    self.fail_recv_room(
+                        room, FailureCode.DEADLINE,
+                        f"prefill group {room.prefill_group!r} was not registered on {room.prefill_address} within "
+                        f"the room's deadline ({room.deadline_s:g} s): {exc.details()}", push=False,
+                    )
+                    return
                 # The prefill daemon has us down (it lost our heartbeats, or thinks we restarted)
                 # while we still see it up: handshake again instead of failing every room until
                 # its next heartbeat notices.

@@ -2,8 +2,10 @@
 
 Engine side: per layer a K and a V tensor ``[num_slots, local_heads, head_dim]``
 (MLA: one latent tensor per layer, ``[num_slots, 1, width]`` or
-``[num_slots, width]``). Page ``p`` is slots ``[p * page_size, (p + 1) * page_size)``;
-token ``i`` of a chunk lives in slot ``page_ids[i // page_size] * page_size + i % page_size``.
+``[num_slots, width]``). Page ``p`` is slots ``[p * page_size, (p + 1) * page_size)``; with ``j = token_offset + i``,
+token ``i`` of a chunk lives in slot ``page_ids[j // page_size] * page_size + j % page_size``:
+a chunk may start in the middle of its first page (chunked prefill cut by a token budget) and
+end in the middle of its last one; only its own tokens are read or written.
 
 Slot side (see docs/contracts.md): ``[heads, layers, planes, tokens, head_dim]``
 contiguous, planes = (K, V) or just the latent. With a head sub-range the slot
@@ -158,6 +160,7 @@ class _Call:
 
     page_ids: torch.Tensor
     num_tokens: int
+    token_offset: int  # position of the chunk's first token in its first page
     page_size: int
     head_start: int
     num_heads: int
@@ -260,11 +263,13 @@ class KVPages:
         head_start: int = 0,
         num_heads: int | None = None,
         *,
+        token_offset: int = 0,
         backend: Backend = "auto",
         tile: TileConfig | None = None,
     ) -> torch.Tensor:
         """Copy a chunk's KV from pages into ``out``; see :func:`gather_kv`. Returns ``out``."""
-        self._copy("gather", page_ids, num_tokens, page_size, out, head_start, num_heads, backend, tile)
+        call = self._validate(page_ids, num_tokens, token_offset, page_size, out, head_start, num_heads)
+        self._copy("gather", call, backend, tile)
         return out
 
     def scatter(
@@ -276,33 +281,23 @@ class KVPages:
         head_start: int = 0,
         num_heads: int | None = None,
         *,
+        token_offset: int = 0,
         backend: Backend = "auto",
         tile: TileConfig | None = None,
     ) -> None:
         """Write a slot's tokens into pages; see :func:`scatter_kv`."""
-        self._copy("scatter", page_ids, num_tokens, page_size, src, head_start, num_heads, backend, tile)
+        call = self._validate(page_ids, num_tokens, token_offset, page_size, src, head_start, num_heads)
+        self._copy("scatter", call, backend, tile)
 
     # -- internals -----------------------------------------------------------
 
-    def _copy(
-        self,
-        kind: Kind,
-        page_ids: torch.Tensor,
-        num_tokens: int,
-        page_size: int,
-        slot: torch.Tensor,
-        head_start: int,
-        num_heads: int | None,
-        backend: Backend,
-        tile: TileConfig | None,
-    ) -> None:
-        call = self._validate(page_ids, num_tokens, page_size, slot, head_start, num_heads)
+    def _copy(self, kind: Kind, call: _Call, backend: Backend, tile: TileConfig | None) -> None:
         path = self._choose_path(call, backend)
         if path != "torch":
             # Upload host-side ids once, not once per staged chunk.
             call = replace(call, page_ids=_to_device(call.page_ids, self.device))
         if path == "torch":
-            (self._gather_torch if kind == "gather" else self._scatter_torch)(call)
+            self._copy_torch(kind, call)
         elif path == "staged":
             with self._lock:
                 self._staged(kind, call, tile)
@@ -313,6 +308,7 @@ class KVPages:
         self,
         page_ids: torch.Tensor,
         num_tokens: int,
+        token_offset: int,
         page_size: int,
         slot: torch.Tensor,
         head_start: int,
@@ -320,6 +316,8 @@ class KVPages:
     ) -> _Call:
         _check_positive("num_tokens", num_tokens)
         _check_positive("page_size", page_size)
+        if not isinstance(token_offset, int) or isinstance(token_offset, bool) or not 0 <= token_offset < page_size:
+            raise ValueError(f"token_offset must be an int in [0, {page_size}), got {token_offset!r}")
         if num_heads is None:
             num_heads = self.local_heads - head_start
         if not (head_start >= 0 and num_heads > 0 and head_start + num_heads <= self.local_heads):
@@ -328,10 +326,11 @@ class KVPages:
             )
         if page_ids.dim() != 1 or page_ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"page_ids must be a 1-D int32/int64 tensor, got {page_ids.dtype} {tuple(page_ids.shape)}")
-        needed_pages = -(-num_tokens // page_size)
+        needed_pages = -(-(token_offset + num_tokens) // page_size)
         if page_ids.numel() < needed_pages:
             raise ValueError(
-                f"{num_tokens} tokens need {needed_pages} pages of {page_size}, got {page_ids.numel()} page ids"
+                f"{num_tokens} tokens from offset {token_offset} need {needed_pages} pages of {page_size}, "
+                f"got {page_ids.numel()} page ids"
             )
         page_ids = page_ids[:needed_pages]
         num_pages_total = self.num_slots // page_size
@@ -353,6 +352,7 @@ class KVPages:
         return _Call(
             page_ids=page_ids,
             num_tokens=num_tokens,
+            token_offset=token_offset,
             page_size=page_size,
             head_start=head_start,
             num_heads=num_heads,
@@ -400,30 +400,25 @@ class KVPages:
         return _as_int(call.slot.view(torch.uint8).view(self.dtype)).view(shape)
 
     def _token_slots(self, call: _Call) -> torch.Tensor:
-        tok = torch.arange(call.num_tokens, device=self.device)
+        pos = torch.arange(call.num_tokens, device=self.device) + call.token_offset
         pages = call.page_ids.to(device=self.device, dtype=torch.int64)
-        return pages[tok // call.page_size] * call.page_size + tok % call.page_size
+        return pages[pos // call.page_size] * call.page_size + pos % call.page_size
 
-    def _gather_torch(self, call: _Call) -> None:
+    def _copy_torch(self, kind: Kind, call: _Call) -> None:
         slots = self._token_slots(call)
-        out = self._slot_view(call)
+        view = self._slot_view(call)
+        src = view if kind == "gather" else view.to(self.device)
         hs = slice(call.head_start, call.head_start + call.num_heads)
-        for i in range(call.num_lp):
-            rows = _as_int(self.planes_t[call.lp_begin + i])[slots][:, hs, :]  # [tokens, heads, D]
-            out[:, i].copy_(rows.transpose(0, 1))
-
-    def _scatter_torch(self, call: _Call) -> None:
-        slots = self._token_slots(call)
-        src = self._slot_view(call).to(self.device)
         whole = call.head_start == 0 and call.num_heads == self.local_heads
         for i in range(call.num_lp):
-            dst = _as_int(self.planes_t[call.lp_begin + i])
-            vals = src[:, i].transpose(0, 1)  # [tokens, heads, D]
-            if whole:
-                dst.index_copy_(0, slots, vals.contiguous())
+            plane = _as_int(self.planes_t[call.lp_begin + i])
+            if kind == "gather":
+                view[:, i].copy_(plane[slots][:, hs, :].transpose(0, 1))  # [tokens, heads, D] -> [heads, ...]
+            elif whole:
+                plane.index_copy_(0, slots, src[:, i].transpose(0, 1).contiguous())
             else:
                 # index_put on a head-sliced view keeps untouched heads intact.
-                dst[slots, call.head_start : call.head_start + call.num_heads] = vals
+                plane[slots, hs] = src[:, i].transpose(0, 1)
 
     # triton -------------------------------------------------------------------
 
@@ -470,6 +465,7 @@ class KVPages:
             _to_device(call.page_ids, self.device),
             call.slot.view(torch.uint8).view(idt),
             call.num_tokens,
+            call.token_offset,
             call.num_heads,
             call.head_start,
             call.lp_begin,
@@ -488,7 +484,7 @@ class KVPages:
             "BLOCK_H": block_h,
             "LP_PER_PROG": lp_per_prog,
         }
-        _triton_kv.launch(kind, grid, args, constexprs, tile.num_warps)
+        _triton_kv.launch(kind == "gather", grid, args, constexprs, tile.num_warps)
 
     # staged host path ---------------------------------------------------------
 
@@ -542,27 +538,25 @@ class KVPages:
                 num_lp=ch.num_lp,
                 slot=buf,
             )
+            # Gather: kernel (compute stream) fills the half, then the copy engine drains it to
+            # the host. Scatter: the copy engine fills it, then the kernel drains it. Either way
+            # the half is reused only after the second step of its previous use finished.
+            kernel = (compute, functools.partial(self._launch, kind, sub, tile or default_tile(kind, False)))
+            dst, src = (region, buf) if kind == "gather" else (buf, region)
+            move = (copy, functools.partial(dst.copy_, src, non_blocking=True))
+            (s1, step1), (s2, step2) = (kernel, move) if kind == "gather" else (move, kernel)
             prev = self._free[b]
+            if prev is not None:
+                s1.wait_event(prev)
             ready = torch.cuda.Event()
             done = torch.cuda.Event()
-            if kind == "gather":
-                if prev is not None:
-                    compute.wait_event(prev)  # the copy engine is done reading this half
-                self._launch("gather", sub, tile or default_tile("gather", False))
-                ready.record(compute)
-                copy.wait_event(ready)
-                with torch.cuda.stream(copy):
-                    region.copy_(buf, non_blocking=True)
-                done.record(copy)
-            else:
-                if prev is not None:
-                    copy.wait_event(prev)  # the kernel is done reading this half
-                with torch.cuda.stream(copy):
-                    buf.copy_(region, non_blocking=True)
-                ready.record(copy)
-                compute.wait_event(ready)
-                self._launch("scatter", sub, tile or default_tile("scatter", False))
-                done.record(compute)
+            with torch.cuda.stream(s1):
+                step1()
+            ready.record(s1)
+            s2.wait_event(ready)
+            with torch.cuda.stream(s2):
+                step2()
+            done.record(s2)
             self._free[b] = done
         # Completion is reported through the caller's stream, as for the direct paths.
         for ev in self._free:
@@ -580,6 +574,7 @@ def gather_kv(
     head_start: int = 0,
     num_heads: int | None = None,
     *,
+    token_offset: int = 0,
     backend: Backend = "auto",
     tile: TileConfig | None = None,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
@@ -592,13 +587,16 @@ def gather_kv(
         k_layers: per-layer K ``[num_slots, local_heads, head_dim]``, or the MLA latent.
         v_layers: per-layer V, same shape as K; ``None`` for MLA (one plane).
         page_ids: the chunk's pages in token order (int32/int64, any order,
-            on the KV device or CPU); extra ids beyond those needed are ignored.
-        num_tokens: tokens in the chunk; the last page may be partial.
+            on the KV device or CPU), starting with the page that holds its first
+            token; extra ids beyond those needed are ignored.
+        num_tokens: tokens in the chunk; the first and last page may be partial.
         page_size: slots per page.
         out: contiguous slot of exactly ``slot_nbytes(num_heads, layers, planes,
             num_tokens, head_dim, kv dtype)`` bytes, any dtype; on the KV's GPU,
             in (preferably pinned) host memory, or on CPU for CPU KV.
         head_start, num_heads: local head sub-range to gather (default: all).
+        token_offset: where the chunk's first token sits in its first page
+            (``token_start % page_size`` for a chunk of a paged sequence).
         backend: ``"auto"``, ``"triton"`` (raise if it cannot run) or ``"torch"``.
         tile: launch shape for the triton kernels (default: tuned per direction).
         staging_bytes: GPU staging for host slots (0: kernel writes host memory directly).
@@ -606,7 +604,17 @@ def gather_kv(
     Returns ``out``. Asynchronous on the current CUDA stream for GPU KV.
     """
     kv = KVPages(k_layers, v_layers, staging_bytes=staging_bytes)
-    return kv.gather(page_ids, num_tokens, page_size, out, head_start, num_heads, backend=backend, tile=tile)
+    return kv.gather(
+        page_ids,
+        num_tokens,
+        page_size,
+        out,
+        head_start,
+        num_heads,
+        token_offset=token_offset,
+        backend=backend,
+        tile=tile,
+    )
 
 
 def scatter_kv(
@@ -619,6 +627,7 @@ def scatter_kv(
     head_start: int = 0,
     num_heads: int | None = None,
     *,
+    token_offset: int = 0,
     backend: Backend = "auto",
     tile: TileConfig | None = None,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
@@ -626,10 +635,21 @@ def scatter_kv(
     """Inverse of :func:`gather_kv`: write a slot's tokens into engine pages.
 
     Only the slots of the chunk's tokens and the heads ``[head_start,
-    head_start + num_heads)`` are written; everything else in the KV is untouched.
+    head_start + num_heads)`` are written; everything else in the KV (the other
+    tokens of a partial first or last page included) is untouched.
     """
     kv = KVPages(k_layers, v_layers, staging_bytes=staging_bytes)
-    kv.scatter(page_ids, num_tokens, page_size, src, head_start, num_heads, backend=backend, tile=tile)
+    kv.scatter(
+        page_ids,
+        num_tokens,
+        page_size,
+        src,
+        head_start,
+        num_heads,
+        token_offset=token_offset,
+        backend=backend,
+        tile=tile,
+    )
 
 
 def gather_mla(
@@ -639,6 +659,7 @@ def gather_mla(
     page_size: int,
     out: torch.Tensor,
     *,
+    token_offset: int = 0,
     backend: Backend = "auto",
     tile: TileConfig | None = None,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
@@ -651,6 +672,7 @@ def gather_mla(
         num_tokens,
         page_size,
         out,
+        token_offset=token_offset,
         backend=backend,
         tile=tile,
         staging_bytes=staging_bytes,
@@ -664,6 +686,7 @@ def scatter_mla(
     page_size: int,
     src: torch.Tensor,
     *,
+    token_offset: int = 0,
     backend: Backend = "auto",
     tile: TileConfig | None = None,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
@@ -676,6 +699,7 @@ def scatter_mla(
         num_tokens,
         page_size,
         src,
+        token_offset=token_offset,
         backend=backend,
         tile=tile,
         staging_bytes=staging_bytes,
