@@ -17,6 +17,7 @@ from kvxferd.kernels import (
     slot_nbytes,
     triton_available,
 )
+from kvxferd.kernels._staged import staged_pieces
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed")
 
@@ -266,7 +267,7 @@ def test_staged_chunks_tile_the_slot(half: int, num_heads: int, num_lp: int, pla
     # One-byte rows and `plane` tokens make each (head, layer-plane) exactly `plane` bytes.
     slot = torch.empty(kv.slot_nbytes(plane, num_heads), dtype=torch.uint8)
     call = kv._validate(torch.zeros(1, dtype=torch.int64), plane, 0, plane, slot, 1, num_heads)
-    chunks = list(kv._chunks(call, half))
+    chunks = list(staged_pieces(call, plane, half))
     pos = 0
     for ch in chunks:
         assert ch.offset == pos and 0 < ch.nbytes <= half
