@@ -247,6 +247,7 @@ class PagedPool:
         self.v = [plane() for _ in range(spec.layers)]
         self.kv = KVPages(self.k, self.v)
         self.page_size = spec.page_size
+        self.layout = kv_layout(spec, dtype)
         self.free = torch.randperm(num_pages, generator=gen).tolist()
 
     def alloc(self, num_tokens: int) -> torch.Tensor:
@@ -272,8 +273,8 @@ class PagedPool:
         kernels copy exactly the chunk's tokens from that offset, so a partial page is filled by
         the two chunks that share it, each writing only its own tokens.
         """
-        first, offset = divmod(start, self.page_size)
-        return pages[first : -(-(start + num_tokens) // self.page_size)], offset
+        ids, offset = self.layout.chunk_pages(pages.tolist(), start, num_tokens)
+        return torch.tensor(ids, dtype=torch.int64), offset
 
 
 def slot_tensor(client: Any, offset: int, length: int) -> torch.Tensor:

@@ -33,6 +33,16 @@ def test_slot_runs_cover_exactly_the_chunk_tokens() -> None:
     assert slot_runs([0, 1], [4, 5], 0, 8, 4) == [(0, 16, 8)]
 
 
+def test_layout_chunk_pages() -> None:
+    layout = Layout(num_layers=1, total_kv_heads=1, head_dim=8, dtype_bytes=2, page_size=16)
+    assert layout.chunk_pages([7, 3, 9, 1], 40, 8) == ([9], 8)
+    assert layout.chunk_pages([7, 3, 9, 1], 40, 10) == ([9, 1], 8)
+    assert layout.chunk_pages([7, 3, 9, 1], 12, 30) == ([7, 3, 9], 12)
+    assert layout.chunk_pages([7, 3, 9, 1], 0, 64) == ([7, 3, 9, 1], 0)
+    with pytest.raises(ValueError, match="need 5 pages"):
+        layout.chunk_pages([7, 3, 9, 1], 60, 10)
+
+
 # split: where chunk 1 starts; 40 is mid-page (page 2 is filled by both chunks), 48 a page boundary.
 @pytest.mark.parametrize("mla,ptp,dtp,split", [(False, 1, 1, 40), (False, 2, 2, 40), (True, 1, 2, 48)])
 def test_zero_copy_pages_byte_exact(daemons: Any, mla: bool, ptp: int, dtp: int, split: int) -> None:
@@ -66,8 +76,9 @@ def test_zero_copy_pages_byte_exact(daemons: Any, mla: bool, ptp: int, dtp: int,
             rx.expect(1, pre.peer_address, "zp", tokens, pages=dpages)
         for tx in txs:
             # Each chunk names the pages its tokens touch, from the one holding its first token.
-            tx.enqueue(1, 0, 0, split, pages=ppages[: -(-split // PS)])
-            tx.enqueue(1, 1, split, tokens - split, pages=ppages[split // PS :], last=True, aux=b"zc")
+            tx.enqueue(1, 0, 0, split, pages=layout.chunk_pages(ppages, 0, split)[0])
+            tx.enqueue(1, 1, split, tokens - split, pages=layout.chunk_pages(ppages, split, tokens - split)[0],
+                       last=True, aux=b"zc")
         for tx in txs:
             assert tx.wait(1, timeout=30).state is RoomState.SUCCESS
         for r, rx in enumerate(rxs):

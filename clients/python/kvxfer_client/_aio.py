@@ -11,6 +11,7 @@ import grpc
 
 from kvxfer_client._common import (
     CHANNEL_OPTIONS,
+    RING_READY_TIMEOUT_S,
     Chunk,
     KvxferError,
     Landed,
@@ -31,6 +32,7 @@ from kvxfer_client._common import (
     room_event,
     room_pb,
     room_status,
+    still_pending,
     target,
     watermark_request,
     wrap_rpc_error,
@@ -66,7 +68,11 @@ class _AsyncEngineClient:
         req = register_request(
             self.role, group, layout, tp_size, tp_rank, ring_bytes, name, lease_ms, cuda_ring, zero_copy=zero_copy
         )
-        self.reg = registration(await self._call(self.stub.RegisterEngine, req))
+        deadline = time.monotonic() + RING_READY_TIMEOUT_S
+        reply = await self._call(self.stub.RegisterEngine, req)
+        while still_pending(req, reply, deadline):
+            reply = await self._call(self.stub.RegisterEngine, req)
+        self.reg = registration(reply)
         if map_pool and cuda_ring is None:
             self.pool = PoolMapping(self.reg)
         self._renewer = asyncio.ensure_future(self._renew())

@@ -5,7 +5,8 @@ from __future__ import annotations
 import enum
 import mmap
 import os
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,6 +103,18 @@ class Layout:
             dtype_bytes=self.dtype_bytes, page_size=self.page_size, mla=self.mla, dtype=self.dtype,
         )
 
+    def chunk_pages(self, room_pages: Sequence[int], token_start: int, num_tokens: int) -> tuple[list[int], int]:
+        """A chunk's pages (those its tokens touch, from the one holding ``token_start``) and the
+        offset of its first token in the first: what the kernels' ``page_ids``/``token_offset`` and
+        a zero-copy ``enqueue(pages=...)`` take. Chunks may start and end anywhere in a page."""
+        if token_start < 0 or num_tokens < 1:
+            raise ValueError(f"bad token range [{token_start}, +{num_tokens})")
+        first, offset = divmod(token_start, self.page_size)
+        last = -(-(token_start + num_tokens) // self.page_size)
+        if last > len(room_pages):
+            raise ValueError(f"tokens up to {token_start + num_tokens} need {last} pages, the room has {len(room_pages)}")
+        return list(room_pages[first:last]), offset
+
 
 @dataclass(frozen=True)
 class Slot:
@@ -191,7 +204,25 @@ def register_request(
     )
     if cuda_ring is not None:
         req.cuda_ring.CopyFrom(engine_pb2.CudaIpcRing(**cuda_ring))
+        # The daemon imports the ring while we ask again: no call has to outlive the import.
+        req.accept_pending = True
     return req
+
+
+# How long a registration may wait for the daemon to import its GPU ring (eight ranks per side
+# starting at once queue their imports); each call is short, this bounds them all.
+RING_READY_TIMEOUT_S = 600.0
+
+
+def still_pending(req: engine_pb2.RegisterEngineRequest, reply: engine_pb2.RegisterEngineReply, deadline: float) -> bool:
+    """Whether to ask again (then ``req`` names the pending registration); raises past ``deadline``."""
+    if not reply.pending:
+        return False
+    if time.monotonic() > deadline:
+        raise KvxferError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                          f"the daemon had not imported the GPU ring after {RING_READY_TIMEOUT_S:.0f} s")
+    req.registration_id = reply.registration_id
+    return True
 
 
 def registration(reply: engine_pb2.RegisterEngineReply) -> Registration:

@@ -11,6 +11,7 @@ import grpc
 
 from kvxfer_client._common import (
     CHANNEL_OPTIONS,
+    RING_READY_TIMEOUT_S,
     Chunk,
     KvxferError,
     Landed,
@@ -31,6 +32,7 @@ from kvxfer_client._common import (
     room_event,
     room_pb,
     room_status,
+    still_pending,
     target,
     watermark_request,
     wrap_rpc_error,
@@ -61,7 +63,11 @@ class _EngineClient:
         req = register_request(
             self.role, group, layout, tp_size, tp_rank, ring_bytes, name, lease_ms, cuda_ring, zero_copy=zero_copy
         )
-        self.reg: Registration = registration(self._call(self.stub.RegisterEngine, req))
+        deadline = time.monotonic() + RING_READY_TIMEOUT_S
+        reply = self._call(self.stub.RegisterEngine, req)
+        while still_pending(req, reply, deadline):
+            reply = self._call(self.stub.RegisterEngine, req)
+        self.reg: Registration = registration(reply)
         self.engine_id = self.reg.engine_id
         self.pool = PoolMapping(self.reg) if (map_pool and cuda_ring is None) else None
         self._closed = threading.Event()
