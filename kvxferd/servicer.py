@@ -19,6 +19,7 @@ from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from kvxferd import errors
 from kvxferd.convert import chunk_spec, engine_spec, room_event_pb, room_key, room_status_pb, watermark_pb
 from kvxferd.domain import Role, SlotRef
+from kvxferd.gpu import gpu_data_path
 from kvxferd.metrics import Metrics
 from kvxferd.node import Engine, Node, Ring
 from kvxferd.registration import FIRST_WAIT_S, POLL_WAIT_S, PendingRegistrations
@@ -244,6 +245,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             pool_bytes=int(st["pool_bytes"]),  # type: ignore[call-overload]
             uptime_s=float(st["uptime_s"]),  # type: ignore[arg-type]
             peer_address=str(st["peer_address"]),
+            gpu_data_path=gpu_data_path(self._node.config.data_path),
         )
 
 

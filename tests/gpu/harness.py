@@ -60,6 +60,9 @@ class Case:
     first_room: int = 1
     same_node: bool = False
     in_flight: int = 8
+    # The pinned host path: rings are windows of the daemon's host pool that each GPU engine
+    # page-locks (pin_host); kernels move GPU pages <-> pinned slot, the daemons DRAM <-> DRAM.
+    host_path: bool = False
 
     @property
     def layout(self) -> Layout:
@@ -237,7 +240,9 @@ def _sync(dev: torch.device) -> None:
 
 def _ring(case: Case, dev: torch.device, ring_bytes: int) -> torch.Tensor | None:
     # A plain cudaMalloc'd block (not expandable_segments): exportable by cudaIpcGetMemHandle.
-    return torch.empty(ring_bytes, dtype=torch.uint8, device=dev) if dev.type == "cuda" else None
+    if dev.type != "cuda" or case.host_path:
+        return None
+    return torch.empty(ring_bytes, dtype=torch.uint8, device=dev)
 
 
 def prefill_main(
@@ -257,6 +262,7 @@ def prefill_main(
         tx = PrefillSender(
             socket=socket, group=group, layout=case.layout, tp_size=case.ptp, tp_rank=rank,
             ring_bytes=ring_bytes or case.ring_bytes, ring_tensor=ring, name=f"{group}-p{rank}", lease_ms=lease_ms,
+            pin_host=case.host_path and dev.type == "cuda",
         )
         res.engine_id = tx.engine_id
         # Off the clock: compile/load the kernel for each chunk shape.
@@ -324,6 +330,7 @@ def decode_main(
         rx = DecodeReceiver(
             socket=socket, group=group, layout=case.layout, tp_size=case.dtp, tp_rank=rank,
             ring_bytes=ring_bytes or case.ring_bytes, ring_tensor=ring, name=f"{group}-d{rank}",
+            pin_host=case.host_path and dev.type == "cuda",
         )
         res.engine_id = rx.engine_id
         # Off the clock: compile/load the kernel for each chunk shape (zeros onto zero pages).

@@ -78,17 +78,25 @@ def row(res: CaseResult, path: str, **extra: Any) -> dict[str, Any]:
     }
 
 
+def run_checked(
+    case: Case, pre: DaemonProc, dec: DaemonProc, record: Callable[..., None], path: str
+) -> CaseResult:
+    """Runs a case between two daemons, records its row, checks it: every byte over NIXL, none local."""
+    before = transfer_bytes(pre)
+    res = run_case(case, pre.socket, dec.socket, pre.peer_address, DEVICE, timeout=TIMEOUT)
+    after = transfer_bytes(pre)
+    record(row(res, path))
+    check(res, pre, dec)
+    assert after.get("nixl", 0) - before.get("nixl", 0) == case.decode_bytes()
+    assert after.get("local", 0) == before.get("local", 0)
+    return res
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("case", [*CASES, MLA], ids=lambda c: c.name)
 def test_cross_daemon(gpu_daemons: tuple[DaemonProc, DaemonProc], record: Callable[..., None], case: Case) -> None:
     pre, dec = gpu_daemons
-    before = transfer_bytes(pre)
-    res = run_case(case, pre.socket, dec.socket, pre.peer_address, DEVICE, timeout=TIMEOUT)
-    after = transfer_bytes(pre)
-    record(row(res, "nixl"))
-    check(res, pre, dec)
-    assert after.get("nixl", 0) - before.get("nixl", 0) == case.decode_bytes()
-    assert after.get("local", 0) == before.get("local", 0)
+    run_checked(case, pre, dec, record, "nixl")
 
 
 @pytest.mark.timeout(240)

@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 
 from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2
+from kvxfer_client._pinned import HostPin
 
 MAX_MESSAGE_BYTES = 4 << 20
 
@@ -300,12 +301,14 @@ def bytes_tensor(ring_tensor: Any, pool: PoolMapping | None, offset: int, length
 class PoolMapping:
     """The daemon's host pool mapped into this process; the engine's ring is a window of it."""
 
-    def __init__(self, reg: Registration) -> None:
+    def __init__(self, reg: Registration, pin: bool = False) -> None:
         fd = os.open(reg.pool_path, os.O_RDWR)
         try:
             self._mm = mmap.mmap(fd, reg.pool_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
+        # A GPU engine's host ring: page-locked here so its kernels reach it at copy-engine speed.
+        self.pin = HostPin(self._mm, reg.ring_offset, reg.ring_bytes) if pin else None
         self._ring = memoryview(self._mm)[reg.ring_offset : reg.ring_offset + reg.ring_bytes]
         self.ring_bytes = reg.ring_bytes
 
@@ -315,6 +318,9 @@ class PoolMapping:
         return self._ring[offset : offset + length]
 
     def close(self) -> None:
+        if self.pin is not None:
+            self.pin.close()
+            self.pin = None
         self._ring.release()
         try:
             self._mm.close()
