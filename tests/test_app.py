@@ -223,6 +223,7 @@ async def test_registration_answers_while_the_gpu_ring_imports(inproc: Any, monk
     answer within a short call deadline (here 1 s, for a 2.5 s import), and the client must get its
     engine once the ring is ready, with no call outliving the import."""
     import kvxferd.app
+    from kvxferd.errors import FailedPrecondition
     from kvxferd.memory import RingAllocator
     from kvxferd.node import Ring
 
@@ -233,6 +234,8 @@ async def test_registration_answers_while_the_gpu_ring_imports(inproc: Any, monk
     def slow_importer(transport: Any) -> Any:
         def imp(spec: Any) -> Any:
             time.sleep(2.5)
+            if spec.name == "bad-ring":
+                raise FailedPrecondition("cannot open the engine's CUDA IPC ring: test importer")
             imported.append(time.monotonic())
             # A ring in this process's memory stands in for the imported VRAM.
             return Ring(name="", kind="cuda", base_addr=addr, size=len(buf), pool_offset=0, mem="DRAM", device=0,
@@ -260,5 +263,10 @@ async def test_registration_answers_while_the_gpu_ring_imports(inproc: Any, monk
                     role=engine_pb2.ROLE_PREFILL, group="g", layout=LAYOUT.to_pb(),
                     parallel=common_pb2.Parallelism(tp_size=1), registration_id="nope"), timeout=5)
             assert ei.value.code() == grpc.StatusCode.NOT_FOUND
+        # An import that fails after the first answer reaches the client as the import's error.
+        with pytest.raises(KvxferError) as kei:
+            await asyncio.to_thread(PrefillSender, socket=d.socket, group="g2", layout=LAYOUT, cuda_ring=ring,
+                                    map_pool=False, call_timeout=1.0, name="bad-ring")
+        assert kei.value.code == grpc.StatusCode.FAILED_PRECONDITION and "test importer" in kei.value.message
     finally:
         await asyncio.to_thread(tx.close)
