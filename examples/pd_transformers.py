@@ -33,8 +33,8 @@ file) unless ``--prefill-socket``, ``--decode-socket`` and ``--prefill-address``
 
 Rank processes are forked on CPU: they inherit the imported torch/transformers/triton, which on a
 small machine costs more than all the work. With ``--device cuda`` they are spawned (CUDA does not
-survive a fork) and the KV pools and the model live on the GPU; the rings stay the daemons' host
-pool (the kernels' staged host path).
+survive a fork) and the KV pools and the model live on the GPU; ``--staging`` picks the rings:
+CUDA IPC rings on the GPU (``vram``), or host-pool rings each engine pins (``host``).
 """
 
 from __future__ import annotations
@@ -115,6 +115,7 @@ class Spec:
     prefill_socket: str = ""
     decode_socket: str = ""
     prefill_address: str = ""
+    staging: str = "vram"  # GPU engines: "vram" (CUDA IPC ring), "host" (pinned host ring), "auto" (the daemon's)
 
     def room_id(self, dtype: str, room: Room) -> int:
         return self.room_base + self.dtypes.index(dtype) * ROOM_STRIDE + room.index
@@ -247,6 +248,7 @@ class PagedPool:
         self.v = [plane() for _ in range(spec.layers)]
         self.kv = KVPages(self.k, self.v)
         self.page_size = spec.page_size
+        self.layout = kv_layout(spec, dtype)
         self.free = torch.randperm(num_pages, generator=gen).tolist()
 
     def alloc(self, num_tokens: int) -> torch.Tensor:
@@ -265,13 +267,15 @@ class PagedPool:
             self.k[layer][slots] = kv[:, layer, 0].transpose(0, 1)
             self.v[layer][slots] = kv[:, layer, 1].transpose(0, 1)
 
-    def chunk_pages(self, pages: torch.Tensor, start: int, num_tokens: int) -> torch.Tensor:
-        # The kernels address a chunk from the start of its first page; chunked prefill keeps chunk
-        # boundaries on page boundaries (checked when the run is set up), so this is exact.
-        if start % self.page_size:
-            raise ValueError(f"chunk starts at token {start}, not on a page boundary of {self.page_size}")
-        first = start // self.page_size
-        return pages[first : first + -(-num_tokens // self.page_size)]
+    def chunk_pages(self, pages: torch.Tensor, start: int, num_tokens: int) -> tuple[torch.Tensor, int]:
+        """The pages holding tokens [start, start + num_tokens) and where ``start`` sits in the first.
+
+        Chunks are cut by a token budget, not by page: a chunk may start and end mid-page. The
+        kernels copy exactly the chunk's tokens from that offset, so a partial page is filled by
+        the two chunks that share it, each writing only its own tokens.
+        """
+        ids, offset = self.layout.chunk_pages(pages.tolist(), start, num_tokens)
+        return torch.tensor(ids, dtype=torch.int64), offset
 
 
 def slot_tensor(client: Any, offset: int, length: int) -> torch.Tensor:
@@ -281,13 +285,19 @@ def slot_tensor(client: Any, offset: int, length: int) -> torch.Tensor:
     return torch.frombuffer(client.view(offset, length), dtype=torch.uint8)
 
 
-def gpu_ring(spec: Spec, nbytes: int) -> torch.Tensor | None:
-    """With --device cuda the staging ring lives on the engine's GPU and the daemon imports it by
-    CUDA IPC handle (gather and scatter stay on the device); on CPU the ring is a window of the
-    daemon's host pool."""
+def ring_kwargs(spec: Spec, nbytes: int) -> dict[str, Any]:
+    """How a rank's staging ring is set up. On CPU: a window of the daemon's host pool. With
+    --device cuda: --staging vram gives each engine a ring on its GPU that the daemon imports by
+    CUDA IPC (VRAM over NIXL); --staging host a window of the host pool that the engine pins, so
+    the kernels move GPU pages <-> pinned slot (DRAM over NIXL); --staging auto follows the
+    daemon's data_path."""
     if not spec.device.startswith("cuda"):
-        return None
-    return torch.empty(nbytes, dtype=torch.uint8, device=spec.device)
+        return {}
+    if spec.staging == "host":
+        return {"pin_host": True}
+    if spec.staging == "auto":
+        return {"kv_device": spec.device}
+    return {"ring_tensor": torch.empty(nbytes, dtype=torch.uint8, device=spec.device)}
 
 
 def device_sync(device: str) -> None:
@@ -334,7 +344,7 @@ def _prefill_rank(spec: Spec, rank: int) -> dict[str, Any]:
             tx = stack.enter_context(PrefillSender(
                 socket=spec.prefill_socket, group=spec.group(dt, "prefill"), layout=kv_layout(spec, dt),
                 tp_size=spec.prefill_tp, tp_rank=rank, ring_bytes=ring_bytes,
-                name=f"{spec.group(dt, 'prefill')}-r{rank}", ring_tensor=gpu_ring(spec, ring_bytes),
+                name=f"{spec.group(dt, 'prefill')}-r{rank}", **ring_kwargs(spec, ring_bytes),
             ))
             pool = PagedPool(spec, dt, heads.count, pages_for(spec), seed=spec.seed * 7919 + 100 * i + rank,
                              garbage=False)
@@ -361,8 +371,9 @@ def _prefill_rank(spec: Spec, rank: int) -> dict[str, Any]:
                         n = end - start
                         slot = tx.acquire(n, timeout=spec.timeout)
                         dst = slot_tensor(tx, slot.offset, slot.chunk_bytes)
-                        pool.kv.gather(pool.chunk_pages(pages[(dt, room.index)], start, n), n, spec.page_size,
-                                       dst, backend=spec.backend)
+                        chunk_pages, offset = pool.chunk_pages(pages[(dt, room.index)], start, n)
+                        pool.kv.gather(chunk_pages, n, spec.page_size, dst, token_offset=offset,
+                                       backend=spec.backend)
                         device_sync(spec.device)
                         del dst  # no view of the ring may outlive the client's mapping
                         last = end == room.num_tokens
@@ -426,7 +437,7 @@ def _decode_rank(spec: Spec, rank: int, results: Any) -> dict[str, Any]:
             rx = stack.enter_context(DecodeReceiver(
                 socket=spec.decode_socket, group=spec.group(dt, "decode"), layout=kv_layout(spec, dt),
                 tp_size=spec.decode_tp, tp_rank=rank, ring_bytes=ring_bytes,
-                name=f"{spec.group(dt, 'decode')}-r{rank}", ring_tensor=gpu_ring(spec, ring_bytes),
+                name=f"{spec.group(dt, 'decode')}-r{rank}", **ring_kwargs(spec, ring_bytes),
             ))
             pool = PagedPool(spec, dt, heads.count, pages_for(spec), seed=spec.seed * 7919 + 100 * i + 50 + rank,
                              garbage=True)
@@ -461,16 +472,18 @@ def _decode_rank(spec: Spec, rank: int, results: Any) -> dict[str, Any]:
                     if c.chunk_id in rec.done:
                         continue
                     src = slot_tensor(rx, c.offset, c.chunk_bytes)
-                    chunk_pages = pool.chunk_pages(rec.pages, c.token_start, c.num_tokens)
+                    chunk_pages, offset = pool.chunk_pages(rec.pages, c.token_start, c.num_tokens)
                     if swap:
                         # Test-only fault: local head h lands where head count-1-h belongs.
                         per_head = c.chunk_bytes // heads.count
                         for h in range(heads.count):
                             pool.kv.scatter(chunk_pages, c.num_tokens, spec.page_size,
                                             src[h * per_head : (h + 1) * per_head],
-                                            head_start=heads.count - 1 - h, num_heads=1, backend=spec.backend)
+                                            head_start=heads.count - 1 - h, num_heads=1, token_offset=offset,
+                                            backend=spec.backend)
                     else:
-                        pool.kv.scatter(chunk_pages, c.num_tokens, spec.page_size, src, backend=spec.backend)
+                        pool.kv.scatter(chunk_pages, c.num_tokens, spec.page_size, src, token_offset=offset,
+                                        backend=spec.backend)
                     device_sync(spec.device)
                     del src
                     rx.watermark(rid, [c.chunk_id])
@@ -568,7 +581,7 @@ def check_room(
 class OwnDaemons:
     """Two daemons as subprocesses (temp sockets, peer port 0); started at once, awaited later."""
 
-    def __init__(self, timeout: float = 60.0) -> None:
+    def __init__(self, timeout: float = 60.0, pool: str = "128MiB") -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="kvx-pd-"))  # short: socket paths are capped at 108 B
         self.timeout = timeout
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -577,7 +590,7 @@ class OwnDaemons:
         for name in ("prefill", "decode"):
             args = [
                 sys.executable, "-m", "kvxferd", "serve", "--socket", str(self.dir / f"{name}.sock"),
-                "--peer-listen", "127.0.0.1:0", "--metrics-port", "-1", "--host-pool-bytes", "128MiB",
+                "--peer-listen", "127.0.0.1:0", "--metrics-port", "-1", "--host-pool-bytes", pool,
                 "--daemon-id", f"pd-{name}-{os.getpid()}", "--ready-file", str(self.dir / f"{name}.ready"),
                 "--log-format", "text", "--set", "drain_grace_s=2",
             ]
@@ -710,7 +723,8 @@ def run(spec: Spec, daemons: OwnDaemons | None = None) -> dict[str, Any]:
         "bytes_gathered": bytes_gathered,
         "wall_s": round(wall, 3),
         "rooms": len(ordered),
-        "staging_ring": "cuda-ipc" if spec.device.startswith("cuda") else "host",
+        "staging_ring": ("cuda-ipc" if spec.staging == "vram" else f"host-pinned ({spec.staging})")
+        if spec.device.startswith("cuda") else "host",
         "errors": errors,
         "config": {k: v for k, v in asdict(spec).items() if k not in ("rooms",)},
         "per_room": ordered,
@@ -777,13 +791,16 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Spec]:
     p.add_argument("--seed", type=int, default=0, help="weights and prompts")
     p.add_argument("--rooms", type=int, default=8, help="prompts, of different lengths, served at once")
     p.add_argument("--prompt-tokens", type=int, default=48, help="longest prompt; the others are shorter")
-    p.add_argument("--chunk-tokens", type=int, default=16, help="chunked prefill size (a multiple of --page-size)")
+    p.add_argument("--chunk-tokens", type=int, default=16, help="chunked prefill size (any: chunks may start and end mid-page)")
     p.add_argument("--page-size", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=8, help="greedy tokens per room, the prefill's first included")
     p.add_argument("--prefill-tp", type=int, default=1)
     p.add_argument("--decode-tp", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16,float32", help="comma list: bfloat16, float16, float32")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (KV pools and the model)")
+    p.add_argument("--staging", choices=("vram", "host", "auto"), default="vram",
+                   help="with --device cuda: CUDA IPC rings (vram), pinned host-pool rings (host), or the daemon's "
+                   "data_path (auto)")
     p.add_argument("--kernel-backend", choices=("auto", "triton", "torch"), default="auto")
     p.add_argument("--fault", choices=FAULTS, default="none",
                    help="test only: swap-heads makes one decode rank scatter its heads in reverse order")
@@ -805,8 +822,6 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Spec]:
         p.error(f"--rooms must be below {ROOM_STRIDE}")
     if args.heads % args.kv_heads:
         p.error(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
-    if args.chunk_tokens % args.page_size:
-        p.error("--chunk-tokens must be a multiple of --page-size: every chunk starts on a page boundary")
     dtypes = tuple(_DTYPE_ALIASES.get(d.strip(), d.strip()) for d in args.dtype.split(",") if d.strip())
     bad = [d for d in dtypes if d not in DTYPES]
     if bad or not dtypes or len(set(dtypes)) != len(dtypes):
@@ -837,7 +852,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Spec]:
         run_id=f"pd{pid}-{int(time.time() * 1000) % 1_000_000}", room_base=(pid % 4_000_000) * 10 * ROOM_STRIDE,
         fault=args.fault, backend=cast("Backend", args.kernel_backend), timeout=args.timeout,
         prefill_socket=args.prefill_socket, decode_socket=args.decode_socket,
-        prefill_address=args.prefill_address,
+        prefill_address=args.prefill_address, staging=args.staging,
     )
     if spec.fault == "swap-heads":
         try:
@@ -849,7 +864,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Spec]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args, spec = parse_args(argv)
-    daemons = None if spec.prefill_socket else OwnDaemons()
+    # Host-pool rings of every rank of both dtypes come out of the pool when GPU engines stage there.
+    pool = "512MiB" if spec.device.startswith("cuda") and spec.staging != "vram" else "128MiB"
+    daemons = None if spec.prefill_socket else OwnDaemons(pool=pool)
     try:
         rep = run(spec, daemons)
     except Exception as exc:  # a run that could not happen still leaves a report

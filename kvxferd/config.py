@@ -85,6 +85,9 @@ class Config:
     fault_injection: bool = False
     # "nixl" (default) or "local" (in-process copies; unit tests only).
     transport: str = "nixl"
+    # How GPU engines should stage chunks here: "vram" (CUDA IPC rings, VRAM over NIXL), "host"
+    # (pinned host-pool rings, DRAM over NIXL) or "auto" (probe once what UCX can do with VRAM).
+    data_path: str = "auto"
 
     def validate(self) -> Config:
         if self.socket_mode < 0 or self.socket_mode > 0o777:
@@ -119,6 +122,8 @@ class Config:
             raise ConfigError(f"log_level must be debug|info|warning|error, got {self.log_level!r}")
         if self.log_format not in ("json", "text"):
             raise ConfigError(f"log_format must be json|text, got {self.log_format!r}")
+        if self.data_path not in ("auto", "host", "vram"):
+            raise ConfigError(f"data_path must be auto|host|vram, got {self.data_path!r}")
         if self.transport not in ("nixl", "local"):
             raise ConfigError(f"transport must be nixl|local, got {self.transport!r}")
         if bool(self.tls_cert) != bool(self.tls_key):

@@ -149,11 +149,18 @@ class RecvSide:
                 self._bootstrapped(room, reader, ans)
                 return
             if ans.code == _NOT_FOUND:
-                # The prefill engines may not have registered yet (start-up, restart, scaling):
-                # wait for them until the room's own deadline fails it.
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, _BOOT_RETRY_MAX_S)
-                continue
+                # The prefill engines may not have registered yet (start-up, restart, scaling): wait
+                # for them, with back-off, until just before the room's deadline, so the failure
+                # names what the room waited for.
+                left = room.created + room.deadline_s - 0.1 - time.monotonic()
+                if left > 0:
+                    await asyncio.sleep(min(backoff, left))
+                    backoff = min(backoff * 2, _BOOT_RETRY_MAX_S)
+                    continue
+                self.fail(room, FailureCode.DEADLINE,
+                          f"prefill group {room.prefill_group!r} was not registered on {room.prefill_address} within "
+                          f"the room's deadline ({room.deadline_s:g} s): {ans.message}", push=False)
+                return
             self.fail(room, FailureCode.MISMATCH, f"bootstrap with {room.prefill_address} refused: {ans.message}",
                       push=False)
             return

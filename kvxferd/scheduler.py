@@ -179,7 +179,9 @@ class Scheduler:
         self._submit(room, chunk, jobs)
 
     def _dispatch_pages(self, room: SendRoom, chunk: OutChunk, slices: list[HeadSlice]) -> None:
-        """Zero-copy: pool pages to pool pages, one descriptor per (layer, K/V, contiguous page run)."""
+        """Zero-copy: pool pages to pool pages, one descriptor per (layer, K/V, contiguous run of token
+        slots). A chunk may start and end mid-page: only its own tokens' slots are written, so a page
+        two chunks share is filled by both, each at its token offsets."""
         assert room.layout is not None and room.peer is not None
         lay = room.layout
         spec = chunk.spec
@@ -200,15 +202,14 @@ class Scheduler:
                 return
             # Same TP (or MLA): writer and reader hold the same heads, so a token slot has the same size.
             slot_bytes = s.num_heads * lay.head_dim * lay.dtype_bytes
-            runs = coalesce(spec.pages, dst_pages)
+            runs = slot_runs(spec.pages, dst_pages, spec.token_start % ps, spec.num_tokens, ps)
             pairs = []
             for layer in range(lay.num_layers):
                 for plane in range(lay.planes):
                     src_plane = eng.ring.base_addr + (layer * lay.planes + plane) * eng.pool_slots * slot_bytes
                     dst_plane = target.address + (layer * lay.planes + plane) * target.num_slots * slot_bytes
-                    for sp, dp, n in runs:
-                        pairs.append((src_plane + sp * ps * slot_bytes, dst_plane + dp * ps * slot_bytes,
-                                      n * ps * slot_bytes))
+                    for ss, ds, n in runs:
+                        pairs.append((src_plane + ss * slot_bytes, dst_plane + ds * slot_bytes, n * slot_bytes))
             jobs.append(TransferJob(
                 remote="" if room.peer.is_self else room.peer.agent_name, pairs=pairs,
                 notif=encode_notif(room.key, spec, s.writer, s.reader), on_done=self._on_done,
@@ -264,4 +265,20 @@ def coalesce(src: tuple[int, ...] | list[int], dst: tuple[int, ...] | list[int])
             runs[-1] = (a, b, n + 1)
         else:
             runs.append((sp, dp, 1))
+    return runs
+
+
+def slot_runs(
+    src_pages: tuple[int, ...] | list[int], dst_pages: tuple[int, ...] | list[int], offset: int, num_tokens: int,
+    page_size: int,
+) -> list[tuple[int, int, int]]:
+    """(src_slot, dst_slot, slots) runs for tokens [offset, offset + num_tokens) of a page list
+    (token ``offset`` is the first page's slot ``offset``), where both sides are consecutive."""
+    runs: list[tuple[int, int, int]] = []
+    pos = 0  # page-list-relative slot of the first page of the current run
+    for sp, dp, n in coalesce(src_pages, dst_pages):
+        lo, hi = max(pos, offset), min(pos + n * page_size, offset + num_tokens)
+        if lo < hi:
+            runs.append((sp * page_size + lo - pos, dp * page_size + lo - pos, hi - lo))
+        pos += n * page_size
     return runs

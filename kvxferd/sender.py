@@ -100,12 +100,10 @@ class SendSide:
         if chunk.aux and not chunk.last:
             raise InvalidArgument("aux may only accompany the last chunk")
         if eng.spec.zero_copy:
-            self.engines.check_pages(eng, chunk.pages, chunk.num_tokens, "chunk")
-            if chunk.token_start % eng.spec.layout.page_size:
-                raise InvalidArgument(
-                    f"zero-copy chunks start on a page boundary; token_start {chunk.token_start} is not a multiple "
-                    f"of page_size {eng.spec.layout.page_size}"
-                )
+            # A chunk may start mid-page: its pages are those its tokens touch, from the one holding
+            # token_start (which the previous chunk may have sent part of).
+            offset = chunk.token_start % eng.spec.layout.page_size
+            self.engines.check_pages(eng, chunk.pages, offset + chunk.num_tokens, "chunk")
             return
         if chunk.pages:
             raise InvalidArgument("pages are only for zero-copy engines; this engine sends slots")

@@ -20,8 +20,10 @@ from kvxferd import errors
 from kvxferd.convert import chunk_spec, engine_spec, room_event_pb, room_key, room_status_pb, watermark_pb
 from kvxferd.domain import Role, SlotRef
 from kvxferd.engines import Engine, Ring
+from kvxferd.gpu import gpu_data_path
 from kvxferd.metrics import Metrics
 from kvxferd.node import Node
+from kvxferd.registration import FIRST_WAIT_S, POLL_WAIT_S, PendingRegistrations
 
 logger = logging.getLogger(__name__)
 
@@ -98,11 +100,30 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self._node = node
         self._metrics = metrics
         self._cuda_importer = cuda_importer
+        self._pending = PendingRegistrations()
         wrap_servicer(self, "Engine", metrics, self.UNARY)
 
     async def RegisterEngine(self, request: engine_pb2.RegisterEngineRequest, context: Any) -> engine_pb2.RegisterEngineReply:
-        eng = await self._node.register_engine_async(engine_spec(request), self._cuda_importer)
+        spec = engine_spec(request)
         node = self._node
+        # Answer "pending" well inside the caller's deadline, whatever it is.
+        left = context.time_remaining() if context is not None else None
+        budget = POLL_WAIT_S if left is None else max(0.0, min(POLL_WAIT_S, left / 2))
+        if request.registration_id:
+            got = await self._pending.wait(request.registration_id, budget)
+        elif request.accept_pending and spec.cuda_ring is not None and self._cuda_importer is not None:
+            node.engines.check_spec(spec)  # bad input is refused now, not by a later call
+            reg_id = self._pending.start(node.register_engine_async(spec, self._cuda_importer))
+            got = await self._pending.wait(reg_id, min(FIRST_WAIT_S, budget))
+            if got is None:
+                return engine_pb2.RegisterEngineReply(pending=True, registration_id=reg_id, daemon_id=node.ident.daemon_id)
+        else:
+            got = await node.register_engine_async(spec, self._cuda_importer)
+        if got is None:
+            return engine_pb2.RegisterEngineReply(
+                pending=True, registration_id=request.registration_id, daemon_id=node.ident.daemon_id
+            )
+        eng = got
         return engine_pb2.RegisterEngineReply(
             engine_id=eng.id, pool_path=node.pool.path, pool_bytes=node.pool.size,
             ring_offset=eng.ring.pool_offset if eng.ring.kind == "host" else 0, ring_bytes=eng.ring.size,
@@ -230,6 +251,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             pool_bytes=int(st["pool_bytes"]),  # type: ignore[call-overload]
             uptime_s=float(st["uptime_s"]),  # type: ignore[arg-type]
             peer_address=str(st["peer_address"]),
+            gpu_data_path=gpu_data_path(self._node.config.data_path),
         )
 
 

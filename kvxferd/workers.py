@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from kvxferd.gpu import device_copies
 from kvxferd.transport import Transport, XferState
 
 logger = logging.getLogger(__name__)
@@ -188,13 +189,11 @@ class WorkerPool:
         if not job.remote:
             # Same-node path: source and destination are both mapped here.
             try:
-                for src, dst, length in job.pairs:
-                    if job.local_mem == "DRAM" and job.remote_mem == "DRAM":
+                if job.local_mem == "DRAM" and job.remote_mem == "DRAM":
+                    for src, dst, length in job.pairs:
                         ctypes.memmove(dst, src, length)
-                    else:
-                        from kvxferd.gpu import device_copy
-
-                        device_copy(dst, src, length)
+                else:
+                    device_copies(job.pairs)
             except Exception as exc:
                 self._report(job, XferState.ERROR, f"local copy failed: {exc}")
             else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import signal
 import subprocess
@@ -215,3 +216,57 @@ async def test_gpu_ring_import_runs_off_the_event_loop(inproc: Any, monkeypatch:
             await stub.RegisterEngine(bad, timeout=5)
         assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert len(calls) == 1
+
+
+async def test_registration_answers_while_the_gpu_ring_imports(inproc: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eight ranks registering GPU rings at once queue their imports; RegisterEngine must still
+    answer within a short call deadline (here 1 s, for a 2.5 s import), and the client must get its
+    engine once the ring is ready, with no call outliving the import."""
+    import kvxferd.app
+    from kvxferd.engines import Ring
+    from kvxferd.errors import FailedPrecondition
+    from kvxferd.memory import RingAllocator
+
+    imported: list[float] = []
+    buf = bytearray(1 << 20)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+    def slow_importer(transport: Any) -> Any:
+        def imp(spec: Any) -> Any:
+            time.sleep(2.5)
+            if spec.name == "bad-ring":
+                raise FailedPrecondition("cannot open the engine's CUDA IPC ring: test importer")
+            imported.append(time.monotonic())
+            # A ring in this process's memory stands in for the imported VRAM.
+            return Ring(name="", kind="cuda", base_addr=addr, size=len(buf), pool_offset=0, mem="DRAM", device=0,
+                        alloc=RingAllocator(len(buf)))
+
+        return imp
+
+    monkeypatch.setattr(kvxferd.app, "_cuda_importer", slow_importer)
+    d = await inproc()
+    ring = {"handle": b"\1" * 64, "device_uuid": "GPU-test", "size": 1 << 20}
+    t0 = time.monotonic()
+    tx = await asyncio.to_thread(
+        PrefillSender, socket=d.socket, group="g", layout=LAYOUT, cuda_ring=ring, map_pool=False, call_timeout=1.0
+    )
+    try:
+        took = time.monotonic() - t0
+        assert imported and took >= 2.5, took
+        assert tx.engine_id and tx.reg.ring_bytes == 1 << 20
+        st = await asyncio.to_thread(tx.status)
+        assert [e.engine_id for e in st.engines] == [tx.engine_id]
+        # A registration id nobody started is refused, not waited for.
+        async with grpc.aio.insecure_channel(f"unix:{d.socket}") as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await engine_pb2_grpc.EngineStub(ch).RegisterEngine(engine_pb2.RegisterEngineRequest(
+                    role=engine_pb2.ROLE_PREFILL, group="g", layout=LAYOUT.to_pb(),
+                    parallel=common_pb2.Parallelism(tp_size=1), registration_id="nope"), timeout=5)
+            assert ei.value.code() == grpc.StatusCode.NOT_FOUND
+        # An import that fails after the first answer reaches the client as the import's error.
+        with pytest.raises(KvxferError) as kei:
+            await asyncio.to_thread(PrefillSender, socket=d.socket, group="g2", layout=LAYOUT, cuda_ring=ring,
+                                    map_pool=False, call_timeout=1.0, name="bad-ring")
+        assert kei.value.code == grpc.StatusCode.FAILED_PRECONDITION and "test importer" in kei.value.message
+    finally:
+        await asyncio.to_thread(tx.close)

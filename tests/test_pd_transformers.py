@@ -41,10 +41,10 @@ ROOMS = 8
 # `--kernel-backend triton` makes a silent fall-back to the torch copies an error.
 MODEL = [
     "--layers", str(LAYERS), "--heads", "4", "--kv-heads", str(KV_HEADS),
-    "--head-dim", str(HEAD_DIM), "--hidden", "64", "--rooms", str(ROOMS), "--prompt-tokens", "40",
-    "--chunk-tokens", "16", "--page-size", "8", "--new-tokens", str(NEW_TOKENS), "--kernel-backend", "triton",
-    "--timeout", "90",
+    "--head-dim", str(HEAD_DIM), "--hidden", "64", "--rooms", str(ROOMS),
+    "--new-tokens", str(NEW_TOKENS), "--kernel-backend", "triton", "--timeout", "90",
 ]
+DEFAULT_CHUNKING = ["--prompt-tokens", "40", "--chunk-tokens", "16", "--page-size", "8"]
 DTYPES = {"bfloat16": 2, "float32": 4}
 
 # Imports everything heavy once, then forks one child per request: {"argv": [...], "out": path} on
@@ -164,25 +164,42 @@ def daemon_status(d: DaemonProc) -> engine_pb2.DaemonStatus:
         return engine_pb2_grpc.EngineStub(ch).GetStatus(engine_pb2.GetStatusRequest(), timeout=5)
 
 
-def parts_bytes(rep: dict[str, Any], tp: int) -> int:
+def parts_bytes(rep: dict[str, Any], tp: int, page_size: int) -> int:
     """Bytes of every rank's part of every room of a report, for a TP group of ``tp`` ranks."""
     total = 0
     for r in rep["per_room"]:
-        layout = KVLayout(LAYERS, KV_HEADS, HEAD_DIM, DTYPES[r["dtype"]], 8)
+        layout = KVLayout(LAYERS, KV_HEADS, HEAD_DIM, DTYPES[r["dtype"]], page_size)
         total += sum(part_bytes(layout, tp, rank, r["prompt_tokens"]) for rank in range(tp))
     return total
 
 
-# Every TP pair CI must cover; the model family rotates so each family runs at least twice.
-CASES = [(1, 1, "llama"), (2, 1, "qwen2"), (1, 2, "mistral"), (4, 2, "llama"), (2, 4, "qwen2"), (1, 4, "mistral")]
+# Every TP pair CI must cover; the model family rotates so each family runs at least twice. Chunk
+# and page sizes (prompt tokens, chunk tokens, page size) vary too: engines cut chunks by a token
+# budget, so most cases have chunks that start and end mid-page (chunks smaller than a page, larger
+# than one, and the issue's 40/32 and 200/16), and one keeps them page-aligned.
+CASES = [
+    (1, 1, "llama", (40, 12, 8)),
+    (2, 1, "qwen2", (40, 16, 8)),
+    (1, 2, "mistral", (100, 40, 32)),
+    (4, 2, "llama", (30, 5, 8)),
+    (2, 4, "qwen2", (420, 200, 16)),
+    (1, 4, "mistral", (45, 13, 4)),
+]
 
 
-@pytest.mark.parametrize(("prefill_tp", "decode_tp", "arch"), CASES, ids=[f"{p}to{d}-{a}" for p, d, a in CASES])
-def test_tokens_identical_and_kv_bit_exact(pd_env: Env, prefill_tp: int, decode_tp: int, arch: str) -> None:
+@pytest.mark.parametrize(
+    ("prefill_tp", "decode_tp", "arch", "chunking"), CASES,
+    ids=[f"{p}to{d}-{a}-chunk{c[1]}-page{c[2]}" for p, d, a, c in CASES],
+)
+def test_tokens_identical_and_kv_bit_exact(
+    pd_env: Env, prefill_tp: int, decode_tp: int, arch: str, chunking: tuple[int, int, int]
+) -> None:
+    prompt, chunk, page = chunking
     # 1->1 starts its own daemons (the example's default path); the others share the module's two.
     own = (prefill_tp, decode_tp) == (1, 1)
     code, rep, printed = pd_env.runner.run(
-        *MODEL, "--arch", arch, "--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp),
+        *MODEL, "--prompt-tokens", str(prompt), "--chunk-tokens", str(chunk), "--page-size", str(page),
+        "--arch", arch, "--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp),
         "--dtype", "bfloat16,float32", *([] if own else pd_env.shared()),
     )
     assert code == 0, printed
@@ -195,12 +212,16 @@ def test_tokens_identical_and_kv_bit_exact(pd_env: Env, prefill_tp: int, decode_
     assert {r["dtype"] for r in rooms} == set(DTYPES)
     for r in rooms:
         assert len(r["tokens"]) == NEW_TOKENS and r["tokens"] == r["reference_tokens"], r
+        assert r["chunks"] == -(-r["prompt_tokens"] // chunk)
     # The rooms really are several prompts of different lengths, some prefilled in several chunks.
     assert len({r["prompt_tokens"] for r in rooms}) >= ROOMS // 2
     assert max(r["chunks"] for r in rooms) >= 3
+    if chunk % page:
+        # Some chunk boundary of some room falls inside a page (the case under test).
+        assert any(c * chunk % page for r in rooms for c in range(1, r["chunks"]))
     # Each decode rank got each of its heads once; each prefill rank (replicas too) gathered its own.
-    assert rep["bytes_moved"] == parts_bytes(rep, decode_tp)
-    assert rep["bytes_gathered"] == parts_bytes(rep, prefill_tp)
+    assert rep["bytes_moved"] == parts_bytes(rep, decode_tp, page)
+    assert rep["bytes_gathered"] == parts_bytes(rep, prefill_tp, page)
     assert "PASS" in printed and "tokens_match=True" in printed
     if not own:
         for d in (pd_env.prefill, pd_env.decode):
@@ -212,7 +233,8 @@ def test_tokens_identical_and_kv_bit_exact(pd_env: Env, prefill_tp: int, decode_
 def test_wrong_head_mapping_fails_the_check(pd_env: Env) -> None:
     """The check can fail: a decode rank scattering its two heads swapped is caught."""
     code, rep, printed = pd_env.runner.run(
-        *MODEL, "--prefill-tp", "1", "--decode-tp", "1", "--dtype", "float32", "--fault", "swap-heads",
+        *MODEL, *DEFAULT_CHUNKING, "--prefill-tp", "1", "--decode-tp", "1", "--dtype", "float32",
+        "--fault", "swap-heads",
         *pd_env.shared(),
     )
     assert code == 1, printed
@@ -229,13 +251,13 @@ def test_wrong_head_mapping_fails_the_check(pd_env: Env) -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--chunk-tokens", "12", "--page-size", "8"], "multiple of --page-size"),
+        (["--chunk-tokens", "0"], "must be at least 1"),
         (["--decode-tp", "4", "--fault", "swap-heads"], "at least two KV heads"),
         (["--kv-heads", "4", "--prefill-tp", "3"], "cannot be split evenly"),
         (["--prefill-socket", "/nowhere.sock"], "go together"),
     ],
 )
 def test_bad_flags_are_refused(pd_env: Env, argv: list[str], message: str) -> None:
-    code, _, printed = pd_env.runner.run(*MODEL, *argv)
+    code, _, printed = pd_env.runner.run(*MODEL, *DEFAULT_CHUNKING, *argv)
     assert code == 2
     assert message in printed

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvxfer_client import DecodeReceiver, KvxferError, Layout, PrefillSender, RoomState
-from kvxferd.scheduler import coalesce
+from kvxferd.scheduler import coalesce, slot_runs
 
 PS = 16
 
@@ -26,8 +26,26 @@ def test_coalesce_runs() -> None:
     assert coalesce([], []) == []
 
 
-@pytest.mark.parametrize("mla,ptp,dtp", [(False, 1, 1), (False, 2, 2), (True, 1, 2)])
-def test_zero_copy_pages_byte_exact(daemons: Any, mla: bool, ptp: int, dtp: int) -> None:
+def test_slot_runs_cover_exactly_the_chunk_tokens() -> None:
+    # Pages of 4; tokens [3, 3 + 7) of the page list [5, 6, 2]: slot 23, then 24..27, then 8..9.
+    assert slot_runs([5, 6, 2], [1, 2, 9], 3, 7, 4) == [(23, 7, 5), (8, 36, 2)]
+    assert slot_runs([5], [1], 1, 2, 4) == [(21, 5, 2)]
+    assert slot_runs([0, 1], [4, 5], 0, 8, 4) == [(0, 16, 8)]
+
+
+def test_layout_chunk_pages() -> None:
+    layout = Layout(num_layers=1, total_kv_heads=1, head_dim=8, dtype_bytes=2, page_size=16)
+    assert layout.chunk_pages([7, 3, 9, 1], 40, 8) == ([9], 8)
+    assert layout.chunk_pages([7, 3, 9, 1], 40, 10) == ([9, 1], 8)
+    assert layout.chunk_pages([7, 3, 9, 1], 12, 30) == ([7, 3, 9], 12)
+    assert layout.chunk_pages([7, 3, 9, 1], 0, 64) == ([7, 3, 9, 1], 0)
+    with pytest.raises(ValueError, match="need 5 pages"):
+        layout.chunk_pages([7, 3, 9, 1], 60, 10)
+
+
+# split: where chunk 1 starts; 40 is mid-page (page 2 is filled by both chunks), 48 a page boundary.
+@pytest.mark.parametrize("mla,ptp,dtp,split", [(False, 1, 1, 40), (False, 2, 2, 40), (True, 1, 2, 48)])
+def test_zero_copy_pages_byte_exact(daemons: Any, mla: bool, ptp: int, dtp: int, split: int) -> None:
     pre = daemons("zpre")
     dec = daemons("zdec")
     layout = Layout(num_layers=3, total_kv_heads=1 if mla else 4, head_dim=16, dtype_bytes=2, page_size=PS, mla=mla)
@@ -57,8 +75,10 @@ def test_zero_copy_pages_byte_exact(daemons: Any, mla: bool, ptp: int, dtp: int)
         for rx in rxs:
             rx.expect(1, pre.peer_address, "zp", tokens, pages=dpages)
         for tx in txs:
-            tx.enqueue(1, 0, 0, 48, pages=ppages[:3])
-            tx.enqueue(1, 1, 48, 52, pages=ppages[3:], last=True, aux=b"zc")
+            # Each chunk names the pages its tokens touch, from the one holding its first token.
+            tx.enqueue(1, 0, 0, split, pages=layout.chunk_pages(ppages, 0, split)[0])
+            tx.enqueue(1, 1, split, tokens - split, pages=layout.chunk_pages(ppages, split, tokens - split)[0],
+                       last=True, aux=b"zc")
         for tx in txs:
             assert tx.wait(1, timeout=30).state is RoomState.SUCCESS
         for r, rx in enumerate(rxs):
@@ -89,7 +109,7 @@ def test_zero_copy_rejects_bad_pages(daemons: Any) -> None:
     with PrefillSender(socket=pre.socket, group="zb", layout=layout, zero_copy=True,
                        ring_bytes=1 * 2 * 64 * 2 * 16 * 2) as tx:
         for pages, tstart, why in (([4, 0], 0, "outside the engine's pool"), ([0, 0], 0, "twice"),
-                                   ([0], 0, "need 2 pages"), ([0, 1], 3, "page boundary")):
+                                   ([0], 0, "need 2 pages"), ([0], 13, "need 3 pages")):
             with pytest.raises(KvxferError) as ei:
                 tx.enqueue(1, 0, tstart, 20, pages=pages)
             assert ei.value.code.name == "INVALID_ARGUMENT" and why in ei.value.message, ei.value.message

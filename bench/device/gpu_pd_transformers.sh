@@ -4,6 +4,8 @@
 # imports by CUDA IPC (gather/scatter with the Triton kernels on the device), VRAM over NIXL between
 # two daemons. Run from the repo root on the GPU box, carrying .whl/ (bench/device/make_wheels.sh):
 #   bash bench/device/gpu_pd_transformers.sh
+# STAGING=host runs the same six pairs through the pinned host path instead (host-pool rings that
+# each GPU engine page-locks; DRAM over NIXL); STAGING=auto follows the daemons' data_path.
 # Writes under $OUT: pd-<ptp>-<dtp>.json (the example's report) and .log, pd-gpu.json (summary).
 set -uo pipefail
 # shellcheck source=bench/device/_env.sh
@@ -12,7 +14,7 @@ EXTRA_WHEELS='.whl/hf/*.whl' . bench/device/_env.sh
 # prompts up to 256 tokens in chunks of 64, pages of 16, 8 rooms per dtype.
 ARGS=(--arch llama --layers 8 --heads 8 --kv-heads 2 --head-dim 64 --hidden 512 --vocab 2048
       --prompt-tokens 256 --chunk-tokens 64 --page-size 16 --new-tokens 16 --rooms 8
-      --dtype "bfloat16,float32" --device cuda --timeout "${CASE_TIMEOUT:-170}")
+      --dtype "bfloat16,float32" --device cuda --staging "${STAGING:-vram}" --timeout "${CASE_TIMEOUT:-170}")
 # The six pairs run at once (16 cores, one GPU): rank start-up (imports) dominates a case, and the
 # device time is short. Each case has its own two daemons.
 rc=0

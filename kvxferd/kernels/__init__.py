@@ -6,14 +6,11 @@ from kvxferd.kernels.kv_copy import (
     KVPages,
     TileConfig,
     default_tile,
-    gather_kv,
-    gather_mla,
-    scatter_kv,
-    scatter_mla,
     slot_nbytes,
     slot_shape,
     triton_available,
 )
+from kvxferd.kernels.oneshot import gather_kv, gather_mla, scatter_kv, scatter_mla
 
 __all__ = [
     "DEFAULT_STAGING_BYTES",

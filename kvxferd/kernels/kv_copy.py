@@ -2,8 +2,10 @@
 
 Engine side: per layer a K and a V tensor ``[num_slots, local_heads, head_dim]``
 (MLA: one latent tensor per layer, ``[num_slots, 1, width]`` or
-``[num_slots, width]``). Page ``p`` is slots ``[p * page_size, (p + 1) * page_size)``;
-token ``i`` of a chunk lives in slot ``page_ids[i // page_size] * page_size + i % page_size``.
+``[num_slots, width]``). Page ``p`` is slots ``[p * page_size, (p + 1) * page_size)``; with ``j = token_offset + i``,
+token ``i`` of a chunk lives in slot ``page_ids[j // page_size] * page_size + j % page_size``:
+a chunk may start in the middle of its first page (chunked prefill cut by a token budget) and
+end in the middle of its last one; only its own tokens are read or written.
 
 Slot side (see docs/contracts.md): ``[heads, layers, planes, tokens, head_dim]``
 contiguous, planes = (K, V) or just the latent. With a head sub-range the slot
@@ -37,17 +39,17 @@ import functools
 import logging
 import math
 import os
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
 
+from kvxferd.kernels._staged import CopyCall, Kind, Stager
+
 logger = logging.getLogger(__name__)
 
 Backend = Literal["auto", "triton", "torch"]
-Kind = Literal["gather", "scatter"]
 
 _INT_BY_WIDTH: dict[int, torch.dtype] = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _VEC_BYTES = 16  # widest global load/store a thread can issue
@@ -59,10 +61,6 @@ __all__ = [
     "KVPages",
     "TileConfig",
     "default_tile",
-    "gather_kv",
-    "gather_mla",
-    "scatter_kv",
-    "scatter_mla",
     "slot_nbytes",
     "slot_shape",
     "triton_available",
@@ -152,30 +150,6 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
-@dataclass(frozen=True)
-class _Call:
-    """One validated copy: which heads, which layer-planes, which tokens, which slot bytes."""
-
-    page_ids: torch.Tensor
-    num_tokens: int
-    page_size: int
-    head_start: int
-    num_heads: int
-    lp_begin: int
-    num_lp: int
-    slot: torch.Tensor  # flat, contiguous, any dtype
-
-
-@dataclass(frozen=True)
-class _Chunk:
-    head_start: int
-    num_heads: int
-    lp_begin: int
-    num_lp: int
-    offset: int  # bytes into the slot
-    nbytes: int
-
-
 class KVPages:
     """An engine's paged KV cache (all layers), validated once, copied many times.
 
@@ -236,10 +210,7 @@ class KVPages:
         self._align = g
         self._tables: dict[int, torch.Tensor] = {}
         self._staging_bytes = staging_bytes
-        self._staging: torch.Tensor | None = None
-        self._copy_stream: torch.cuda.Stream | None = None
-        self._free: list[torch.cuda.Event | None] = [None, None]
-        self._lock = threading.Lock()
+        self._stager = Stager(self.device, staging_bytes)
 
     @property
     def num_lp(self) -> int:
@@ -260,11 +231,13 @@ class KVPages:
         head_start: int = 0,
         num_heads: int | None = None,
         *,
+        token_offset: int = 0,
         backend: Backend = "auto",
         tile: TileConfig | None = None,
     ) -> torch.Tensor:
         """Copy a chunk's KV from pages into ``out``; see :func:`gather_kv`. Returns ``out``."""
-        self._copy("gather", page_ids, num_tokens, page_size, out, head_start, num_heads, backend, tile)
+        call = self._validate(page_ids, num_tokens, token_offset, page_size, out, head_start, num_heads)
+        self._copy("gather", call, backend, tile)
         return out
 
     def scatter(
@@ -276,36 +249,25 @@ class KVPages:
         head_start: int = 0,
         num_heads: int | None = None,
         *,
+        token_offset: int = 0,
         backend: Backend = "auto",
         tile: TileConfig | None = None,
     ) -> None:
         """Write a slot's tokens into pages; see :func:`scatter_kv`."""
-        self._copy("scatter", page_ids, num_tokens, page_size, src, head_start, num_heads, backend, tile)
+        call = self._validate(page_ids, num_tokens, token_offset, page_size, src, head_start, num_heads)
+        self._copy("scatter", call, backend, tile)
 
     # -- internals -----------------------------------------------------------
 
-    def _copy(
-        self,
-        kind: Kind,
-        page_ids: torch.Tensor,
-        num_tokens: int,
-        page_size: int,
-        slot: torch.Tensor,
-        head_start: int,
-        num_heads: int | None,
-        backend: Backend,
-        tile: TileConfig | None,
-    ) -> None:
-        call = self._validate(page_ids, num_tokens, page_size, slot, head_start, num_heads)
+    def _copy(self, kind: Kind, call: CopyCall, backend: Backend, tile: TileConfig | None) -> None:
         path = self._choose_path(call, backend)
         if path != "torch":
             # Upload host-side ids once, not once per staged chunk.
             call = replace(call, page_ids=_to_device(call.page_ids, self.device))
         if path == "torch":
-            (self._gather_torch if kind == "gather" else self._scatter_torch)(call)
+            self._copy_torch(kind, call)
         elif path == "staged":
-            with self._lock:
-                self._staged(kind, call, tile)
+            self._stager.run(kind, call, self.row_bytes, functools.partial(self._launch_staged, tile))
         else:
             self._launch(kind, call, tile)
 
@@ -313,13 +275,16 @@ class KVPages:
         self,
         page_ids: torch.Tensor,
         num_tokens: int,
+        token_offset: int,
         page_size: int,
         slot: torch.Tensor,
         head_start: int,
         num_heads: int | None,
-    ) -> _Call:
+    ) -> CopyCall:
         _check_positive("num_tokens", num_tokens)
         _check_positive("page_size", page_size)
+        if not isinstance(token_offset, int) or isinstance(token_offset, bool) or not 0 <= token_offset < page_size:
+            raise ValueError(f"token_offset must be an int in [0, {page_size}), got {token_offset!r}")
         if num_heads is None:
             num_heads = self.local_heads - head_start
         if not (head_start >= 0 and num_heads > 0 and head_start + num_heads <= self.local_heads):
@@ -328,10 +293,11 @@ class KVPages:
             )
         if page_ids.dim() != 1 or page_ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"page_ids must be a 1-D int32/int64 tensor, got {page_ids.dtype} {tuple(page_ids.shape)}")
-        needed_pages = -(-num_tokens // page_size)
+        needed_pages = -(-(token_offset + num_tokens) // page_size)
         if page_ids.numel() < needed_pages:
             raise ValueError(
-                f"{num_tokens} tokens need {needed_pages} pages of {page_size}, got {page_ids.numel()} page ids"
+                f"{num_tokens} tokens from offset {token_offset} need {needed_pages} pages of {page_size}, "
+                f"got {page_ids.numel()} page ids"
             )
         page_ids = page_ids[:needed_pages]
         num_pages_total = self.num_slots // page_size
@@ -350,9 +316,10 @@ class KVPages:
                 f"slot holds {got} bytes but [{num_heads}, {self.num_layers}, {self.planes}, {num_tokens}, "
                 f"{self.head_dim}] x {self.itemsize} B needs {expect}"
             )
-        return _Call(
+        return CopyCall(
             page_ids=page_ids,
             num_tokens=num_tokens,
+            token_offset=token_offset,
             page_size=page_size,
             head_start=head_start,
             num_heads=num_heads,
@@ -361,7 +328,7 @@ class KVPages:
             slot=slot.reshape(-1),
         )
 
-    def _choose_path(self, call: _Call, backend: Backend) -> Literal["triton", "staged", "torch"]:
+    def _choose_path(self, call: CopyCall, backend: Backend) -> Literal["triton", "staged", "torch"]:
         slot_dev = call.slot.device
         if backend == "torch":
             return "torch"
@@ -390,40 +357,38 @@ class KVPages:
         logger.debug("kv copy falls back to torch (kv on %s, slot on %s)", self.device, slot_dev)
         return "torch"
 
-    def _plane_bytes(self, call: _Call) -> int:
+    def _plane_bytes(self, call: CopyCall) -> int:
         return call.num_tokens * self.row_bytes
+
+    def _launch_staged(self, tile: TileConfig | None, kind: Kind, call: CopyCall) -> None:
+        self._launch(kind, call, tile or default_tile(kind, False))
 
     # torch reference ----------------------------------------------------------
 
-    def _slot_view(self, call: _Call) -> torch.Tensor:
+    def _slot_view(self, call: CopyCall) -> torch.Tensor:
         shape = (call.num_heads, call.num_lp, call.num_tokens, self.head_dim)
         return _as_int(call.slot.view(torch.uint8).view(self.dtype)).view(shape)
 
-    def _token_slots(self, call: _Call) -> torch.Tensor:
-        tok = torch.arange(call.num_tokens, device=self.device)
+    def _token_slots(self, call: CopyCall) -> torch.Tensor:
+        pos = torch.arange(call.num_tokens, device=self.device) + call.token_offset
         pages = call.page_ids.to(device=self.device, dtype=torch.int64)
-        return pages[tok // call.page_size] * call.page_size + tok % call.page_size
+        return pages[pos // call.page_size] * call.page_size + pos % call.page_size
 
-    def _gather_torch(self, call: _Call) -> None:
+    def _copy_torch(self, kind: Kind, call: CopyCall) -> None:
         slots = self._token_slots(call)
-        out = self._slot_view(call)
+        view = self._slot_view(call)
+        src = view if kind == "gather" else view.to(self.device)
         hs = slice(call.head_start, call.head_start + call.num_heads)
-        for i in range(call.num_lp):
-            rows = _as_int(self.planes_t[call.lp_begin + i])[slots][:, hs, :]  # [tokens, heads, D]
-            out[:, i].copy_(rows.transpose(0, 1))
-
-    def _scatter_torch(self, call: _Call) -> None:
-        slots = self._token_slots(call)
-        src = self._slot_view(call).to(self.device)
         whole = call.head_start == 0 and call.num_heads == self.local_heads
         for i in range(call.num_lp):
-            dst = _as_int(self.planes_t[call.lp_begin + i])
-            vals = src[:, i].transpose(0, 1)  # [tokens, heads, D]
-            if whole:
-                dst.index_copy_(0, slots, vals.contiguous())
+            plane = _as_int(self.planes_t[call.lp_begin + i])
+            if kind == "gather":
+                view[:, i].copy_(plane[slots][:, hs, :].transpose(0, 1))  # [tokens, heads, D] -> [heads, ...]
+            elif whole:
+                plane.index_copy_(0, slots, src[:, i].transpose(0, 1).contiguous())
             else:
                 # index_put on a head-sliced view keeps untouched heads intact.
-                dst[slots, call.head_start : call.head_start + call.num_heads] = vals
+                plane[slots, hs] = src[:, i].transpose(0, 1)
 
     # triton -------------------------------------------------------------------
 
@@ -440,7 +405,7 @@ class KVPages:
             self._tables[step] = table
         return table
 
-    def _launch(self, kind: Kind, call: _Call, tile: TileConfig | None) -> None:
+    def _launch(self, kind: Kind, call: CopyCall, tile: TileConfig | None) -> None:
         from kvxferd.kernels import _triton_kv
 
         if tile is None:
@@ -470,6 +435,7 @@ class KVPages:
             _to_device(call.page_ids, self.device),
             call.slot.view(torch.uint8).view(idt),
             call.num_tokens,
+            call.token_offset,
             call.num_heads,
             call.head_start,
             call.lp_begin,
@@ -488,195 +454,4 @@ class KVPages:
             "BLOCK_H": block_h,
             "LP_PER_PROG": lp_per_prog,
         }
-        _triton_kv.launch(kind, grid, args, constexprs, tile.num_warps)
-
-    # staged host path ---------------------------------------------------------
-
-    def _chunks(self, call: _Call, half: int) -> Iterator[_Chunk]:
-        """Split the slot into contiguous byte ranges of at most ``half`` bytes.
-
-        A (head, layer-plane range) is contiguous in the slot layout; when a
-        whole head fits, several heads are taken at once.
-        """
-        plane = self._plane_bytes(call)
-        head_bytes = call.num_lp * plane
-        if head_bytes <= half:
-            per = max(1, half // head_bytes)
-            for h in range(0, call.num_heads, per):
-                n = min(per, call.num_heads - h)
-                yield _Chunk(call.head_start + h, n, 0, call.num_lp, h * head_bytes, n * head_bytes)
-            return
-        per_lp = half // plane
-        for h in range(call.num_heads):
-            for lp in range(0, call.num_lp, per_lp):
-                n = min(per_lp, call.num_lp - lp)
-                yield _Chunk(call.head_start + h, 1, lp, n, h * head_bytes + lp * plane, n * plane)
-
-    def _staging_halves(self) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Stream]:
-        if self._staging is None or self._copy_stream is None:
-            half = (self._staging_bytes // 2) & ~255  # keep both halves 256-byte aligned
-            self._staging = torch.empty((2, half), dtype=torch.uint8, device=self.device)
-            self._copy_stream = torch.cuda.Stream(self.device)
-        return self._staging[0], self._staging[1], self._copy_stream
-
-    def _staged(self, kind: Kind, call: _Call, tile: TileConfig | None) -> None:
-        first, second, copy = self._staging_halves()
-        bufs = (first, second)
-        half = first.numel()
-        compute = torch.cuda.current_stream(self.device)
-        # The side stream starts where the caller's stream is, so the copy sees
-        # everything the caller enqueued before this call (as a direct launch would).
-        start = torch.cuda.Event()
-        start.record(compute)
-        copy.wait_event(start)
-        slot_u8 = call.slot.view(torch.uint8)
-        for i, ch in enumerate(self._chunks(call, half)):
-            b = i % 2
-            buf = bufs[b][: ch.nbytes]
-            region = slot_u8[ch.offset : ch.offset + ch.nbytes]
-            sub = replace(
-                call,
-                head_start=ch.head_start,
-                num_heads=ch.num_heads,
-                lp_begin=ch.lp_begin,
-                num_lp=ch.num_lp,
-                slot=buf,
-            )
-            prev = self._free[b]
-            ready = torch.cuda.Event()
-            done = torch.cuda.Event()
-            if kind == "gather":
-                if prev is not None:
-                    compute.wait_event(prev)  # the copy engine is done reading this half
-                self._launch("gather", sub, tile or default_tile("gather", False))
-                ready.record(compute)
-                copy.wait_event(ready)
-                with torch.cuda.stream(copy):
-                    region.copy_(buf, non_blocking=True)
-                done.record(copy)
-            else:
-                if prev is not None:
-                    copy.wait_event(prev)  # the kernel is done reading this half
-                with torch.cuda.stream(copy):
-                    buf.copy_(region, non_blocking=True)
-                ready.record(copy)
-                compute.wait_event(ready)
-                self._launch("scatter", sub, tile or default_tile("scatter", False))
-                done.record(compute)
-            self._free[b] = done
-        # Completion is reported through the caller's stream, as for the direct paths.
-        for ev in self._free:
-            if ev is not None:
-                compute.wait_event(ev)
-
-
-def gather_kv(
-    k_layers: Sequence[torch.Tensor],
-    v_layers: Sequence[torch.Tensor] | None,
-    page_ids: torch.Tensor,
-    num_tokens: int,
-    page_size: int,
-    out: torch.Tensor,
-    head_start: int = 0,
-    num_heads: int | None = None,
-    *,
-    backend: Backend = "auto",
-    tile: TileConfig | None = None,
-    staging_bytes: int = DEFAULT_STAGING_BYTES,
-) -> torch.Tensor:
-    """Copy a chunk's KV from engine pages into a slot, all layers at once.
-
-    One-shot form of :meth:`KVPages.gather` (which hot paths should use).
-
-    Args:
-        k_layers: per-layer K ``[num_slots, local_heads, head_dim]``, or the MLA latent.
-        v_layers: per-layer V, same shape as K; ``None`` for MLA (one plane).
-        page_ids: the chunk's pages in token order (int32/int64, any order,
-            on the KV device or CPU); extra ids beyond those needed are ignored.
-        num_tokens: tokens in the chunk; the last page may be partial.
-        page_size: slots per page.
-        out: contiguous slot of exactly ``slot_nbytes(num_heads, layers, planes,
-            num_tokens, head_dim, kv dtype)`` bytes, any dtype; on the KV's GPU,
-            in (preferably pinned) host memory, or on CPU for CPU KV.
-        head_start, num_heads: local head sub-range to gather (default: all).
-        backend: ``"auto"``, ``"triton"`` (raise if it cannot run) or ``"torch"``.
-        tile: launch shape for the triton kernels (default: tuned per direction).
-        staging_bytes: GPU staging for host slots (0: kernel writes host memory directly).
-
-    Returns ``out``. Asynchronous on the current CUDA stream for GPU KV.
-    """
-    kv = KVPages(k_layers, v_layers, staging_bytes=staging_bytes)
-    return kv.gather(page_ids, num_tokens, page_size, out, head_start, num_heads, backend=backend, tile=tile)
-
-
-def scatter_kv(
-    k_layers: Sequence[torch.Tensor],
-    v_layers: Sequence[torch.Tensor] | None,
-    page_ids: torch.Tensor,
-    num_tokens: int,
-    page_size: int,
-    src: torch.Tensor,
-    head_start: int = 0,
-    num_heads: int | None = None,
-    *,
-    backend: Backend = "auto",
-    tile: TileConfig | None = None,
-    staging_bytes: int = DEFAULT_STAGING_BYTES,
-) -> None:
-    """Inverse of :func:`gather_kv`: write a slot's tokens into engine pages.
-
-    Only the slots of the chunk's tokens and the heads ``[head_start,
-    head_start + num_heads)`` are written; everything else in the KV is untouched.
-    """
-    kv = KVPages(k_layers, v_layers, staging_bytes=staging_bytes)
-    kv.scatter(page_ids, num_tokens, page_size, src, head_start, num_heads, backend=backend, tile=tile)
-
-
-def gather_mla(
-    latent_layers: Sequence[torch.Tensor],
-    page_ids: torch.Tensor,
-    num_tokens: int,
-    page_size: int,
-    out: torch.Tensor,
-    *,
-    backend: Backend = "auto",
-    tile: TileConfig | None = None,
-    staging_bytes: int = DEFAULT_STAGING_BYTES,
-) -> torch.Tensor:
-    """MLA gather: one latent buffer per layer, slot ``[1, layers, 1, tokens, width]``."""
-    return gather_kv(
-        latent_layers,
-        None,
-        page_ids,
-        num_tokens,
-        page_size,
-        out,
-        backend=backend,
-        tile=tile,
-        staging_bytes=staging_bytes,
-    )
-
-
-def scatter_mla(
-    latent_layers: Sequence[torch.Tensor],
-    page_ids: torch.Tensor,
-    num_tokens: int,
-    page_size: int,
-    src: torch.Tensor,
-    *,
-    backend: Backend = "auto",
-    tile: TileConfig | None = None,
-    staging_bytes: int = DEFAULT_STAGING_BYTES,
-) -> None:
-    """MLA scatter, inverse of :func:`gather_mla`."""
-    scatter_kv(
-        latent_layers,
-        None,
-        page_ids,
-        num_tokens,
-        page_size,
-        src,
-        backend=backend,
-        tile=tile,
-        staging_bytes=staging_bytes,
-    )
+        _triton_kv.launch(kind == "gather", grid, args, constexprs, tile.num_warps)

@@ -27,18 +27,16 @@ from kvxfer_client._pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc
 from tests.conftest import DaemonProc, spawn_daemon
 
 
-@pytest.fixture
-def gpu_daemons(request: pytest.FixtureRequest) -> Iterator[tuple[DaemonProc, DaemonProc]]:
-    """A fresh prefill daemon and decode daemon per test, each its own process and NIXL agent.
-
-    Fresh per test so that each TP case is measured on its own; registering GPU rings on daemons
-    that have already handshaken (engine restarts) is what test_restart_closes_ipc_mapping covers.
-    """
+def daemon_pair(
+    request: pytest.FixtureRequest, *extra: str, pool: str = "64MiB"
+) -> Iterator[tuple[DaemonProc, DaemonProc]]:
+    """A prefill and a decode daemon (subprocesses, each its own NIXL agent), stopped afterwards;
+    their logs are kept under $KVX_GPU_LOGDIR when it is set."""
     workdir = Path(tempfile.mkdtemp(prefix="kvxg-"))  # short: Unix socket paths
     started: list[DaemonProc] = []
     try:
         for name in ("prefill", "decode"):
-            started.append(spawn_daemon(workdir, name))
+            started.append(spawn_daemon(workdir, name, *extra, pool=pool))
         yield started[0], started[1]
     finally:
         for d in started:
@@ -56,6 +54,16 @@ def gpu_daemons(request: pytest.FixtureRequest) -> Iterator[tuple[DaemonProc, Da
             for d in started:
                 shutil.copy(d.log, Path(keep) / f"{test}-{d.name}.log")
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture
+def gpu_daemons(request: pytest.FixtureRequest) -> Iterator[tuple[DaemonProc, DaemonProc]]:
+    """A fresh prefill daemon and decode daemon per test.
+
+    Fresh per test so that each TP case is measured on its own; registering GPU rings on daemons
+    that have already handshaken (engine restarts) is what test_restart_closes_ipc_mapping covers.
+    """
+    yield from daemon_pair(request)
 
 
 @pytest.fixture

@@ -19,10 +19,12 @@ harness itself is exercised on machines without a GPU; the tests in this package
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
 import queue
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -55,11 +57,14 @@ class Case:
     page_size: int = 16
     rooms: int = 16
     tokens_per_room: int = 2003  # not a page multiple: the last page of a room is partial
-    chunk_tokens: int = 512  # a page multiple, so every chunk but the last starts on a page
+    chunk_tokens: int = 512  # any size: chunks may start and end mid-page
     ring_bytes: int = 64 << 20
     first_room: int = 1
     same_node: bool = False
     in_flight: int = 8
+    # The pinned host path: rings are windows of the daemon's host pool that each GPU engine
+    # page-locks (pin_host); kernels move GPU pages <-> pinned slot, the daemons DRAM <-> DRAM.
+    host_path: bool = False
 
     @property
     def layout(self) -> Layout:
@@ -191,11 +196,12 @@ class Pool:
                 layer, plane = divmod(lp, self.case.planes)
                 self.plane_u8(lp)[slots, h] = want[layer, plane]
 
-    def chunk_pages(self, room: int, token_start: int, num_tokens: int) -> torch.Tensor:
+    def copy(self, kind: str, room: int, token_start: int, num_tokens: int, slot: torch.Tensor) -> None:
+        """Gather the chunk's tokens into ``slot`` or scatter them from it; a chunk may start mid-page."""
         ps = self.case.page_size
-        if token_start % ps:
-            raise AssertionError(f"chunk at token {token_start} does not start on a page of {ps}")
-        return self.pages[room][token_start // ps : -(-(token_start + num_tokens) // ps)]
+        pages = self.pages[room][token_start // ps : -(-(token_start + num_tokens) // ps)]
+        fn = self.kv.gather if kind == "gather" else self.kv.scatter
+        fn(pages, num_tokens, ps, slot, token_offset=token_start % ps)
 
     def verify(self, room: int) -> tuple[int, list[str]]:
         """Compares every KV byte of the room with the recomputed pattern; returns (bytes, problems)."""
@@ -237,7 +243,9 @@ def _sync(dev: torch.device) -> None:
 
 def _ring(case: Case, dev: torch.device, ring_bytes: int) -> torch.Tensor | None:
     # A plain cudaMalloc'd block (not expandable_segments): exportable by cudaIpcGetMemHandle.
-    return torch.empty(ring_bytes, dtype=torch.uint8, device=dev) if dev.type == "cuda" else None
+    if dev.type != "cuda" or case.host_path:
+        return None
+    return torch.empty(ring_bytes, dtype=torch.uint8, device=dev)
 
 
 def prefill_main(
@@ -257,13 +265,14 @@ def prefill_main(
         tx = PrefillSender(
             socket=socket, group=group, layout=case.layout, tp_size=case.ptp, tp_rank=rank,
             ring_bytes=ring_bytes or case.ring_bytes, ring_tensor=ring, name=f"{group}-p{rank}", lease_ms=lease_ms,
+            pin_host=case.host_path and dev.type == "cuda",
         )
         res.engine_id = tx.engine_id
         # Off the clock: compile/load the kernel for each chunk shape.
         first = case.room_ids[0]
         for tok0, ntok in {(0, n) for _, n in case.chunks} | {case.chunks[-1]}:
             scratch = torch.empty(pool.kv.slot_nbytes(ntok), dtype=torch.uint8, device=dev)
-            pool.kv.gather(pool.chunk_pages(first, tok0, ntok), ntok, case.page_size, scratch)
+            pool.copy("gather", first, tok0, ntok, scratch)
         _sync(dev)
         ready.put(("prefill", rank))
         if not start.wait(timeout):
@@ -290,7 +299,7 @@ def prefill_main(
             for cid, (tok0, ntok) in enumerate(chunks):
                 slot = tx.acquire(ntok, timeout=timeout)
                 out = tx.tensor(slot.offset, slot.chunk_bytes)
-                pool.kv.gather(pool.chunk_pages(room, tok0, ntok), ntok, case.page_size, out)
+                pool.copy("gather", room, tok0, ntok, out)
                 _sync(dev)  # the daemon reads the slot as soon as the chunk is enqueued
                 last = cid == len(chunks) - 1
                 tx.enqueue(room, cid, tok0, ntok, slot, last=last, aux=b"aux-%d" % room if last else b"")
@@ -310,6 +319,12 @@ def prefill_main(
         tx.close()
 
 
+def _watch(rx: DecodeReceiver, wake: queue.Queue[int]) -> None:
+    with contextlib.suppress(Exception):  # the stream ends when the client closes
+        for ev in rx.watch():
+            wake.put(ev.room)
+
+
 def decode_main(
     socket: str, case: Case, rank: int, device: str, prefill_address: str, ready: Any, start: Any, result: Any,
     ring_bytes: int = 0, timeout: float = 180.0,
@@ -324,42 +339,56 @@ def decode_main(
         rx = DecodeReceiver(
             socket=socket, group=group, layout=case.layout, tp_size=case.dtp, tp_rank=rank,
             ring_bytes=ring_bytes or case.ring_bytes, ring_tensor=ring, name=f"{group}-d{rank}",
+            pin_host=case.host_path and dev.type == "cuda",
         )
         res.engine_id = rx.engine_id
         # Off the clock: compile/load the kernel for each chunk shape (zeros onto zero pages).
         first = case.room_ids[0]
         for tok0, ntok in {(0, n) for _, n in case.chunks} | {case.chunks[-1]}:
             scratch = torch.zeros(pool.kv.slot_nbytes(ntok), dtype=torch.uint8, device=dev)
-            pool.kv.scatter(pool.chunk_pages(first, tok0, ntok), ntok, case.page_size, scratch)
+            pool.copy("scatter", first, tok0, ntok, scratch)
         _sync(dev)
         ready.put(("decode", rank))
         if not start.wait(timeout):
             raise TimeoutError("start signal never came")
         res.t_start = time.time()
         deadline = time.monotonic() + timeout
+        # Room events say which rooms to poll: polling every active room each sweep cost one
+        # PollRoom round trip per room per sweep, and that, not the copy, set the pace.
+        wake: queue.Queue[int] = queue.Queue()
+        threading.Thread(target=_watch, args=(rx, wake), daemon=True).start()
         done: dict[int, set[int]] = {}
         for room in case.room_ids:
             rx.expect(room, prefill_address, pre_group, case.tokens_per_room)
             done[room] = set()
         active = set(case.room_ids)
         nchunks = len(case.chunks)
+        again: set[int] = set()  # finished with chunks just taken: poll once more, now
         while active:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"decode rank {rank}: rooms unfinished: {sorted(active)[:5]}")
-            progressed = False
-            for room in sorted(active):
+            dirty, again = again, set()
+            try:
+                if not dirty:
+                    dirty.add(wake.get(timeout=0.05))
+                while True:
+                    dirty.add(wake.get_nowait())
+            except queue.Empty:
+                pass
+            # Quiet for a while (or the stream was not up yet): poll every room once.
+            for room in sorted(dirty & active if dirty else active):
                 st = rx.poll(room)
                 fresh = [c for c in st.landed if c.chunk_id not in done[room]]
                 for c in fresh:
                     src = rx.tensor(c.offset, c.chunk_bytes)
-                    pool.kv.scatter(pool.chunk_pages(room, c.token_start, c.num_tokens), c.num_tokens,
-                                    case.page_size, src)
+                    pool.copy("scatter", room, c.token_start, c.num_tokens, src)
                     res.bytes_moved += c.chunk_bytes
                 if fresh:
                     _sync(dev)  # the slot is reused once watermarked: finish reading it first
                     rx.watermark(room, [c.chunk_id for c in fresh])
                     done[room].update(c.chunk_id for c in fresh)
-                    progressed = True
+                    if st.finished:
+                        again.add(room)
                 if st.finished and not fresh:
                     if st.state is RoomState.SUCCESS:
                         if len(done[room]) != nchunks:
@@ -371,9 +400,6 @@ def decode_main(
                         res.states[room] = f"FAILED {st.failure_code}: {st.failure_reason}"
                     rx.release(room)
                     active.discard(room)
-                    progressed = True
-            if not progressed:
-                time.sleep(0.0005)
         _sync(dev)
         res.t_end = time.time()
         # Off the clock: every page of every room, byte for byte, and nothing outside them.

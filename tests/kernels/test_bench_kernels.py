@@ -31,6 +31,28 @@ def test_tiny_bench_writes_consistent_json(tmp_path: Path) -> None:
     assert set(result["tiles"]) == {"ring_gather", "ring_scatter"}
     assert len(result["tile_sweep"]) == 2 * len(bench.TILE_CANDIDATES)
     assert result["device"]
+    assert result["skipped"] == []
+    for name in {**bench.RATIO_OPS, **bench.EXTRA_RATIO_OPS}:
+        w = result["worst"][name]
+        assert w["ratio"] == min(r["ratio"] for r in rows if r["op"] == w["op"])
+
+
+def test_quick_run_tunes_on_a_case_it_has_buffers_for() -> None:
+    """--quick sizes its buffers for the short token count only; tuning on the sweep's longest one
+    overran the slot (the GPU crash of issue 12). Several token counts, quick: must run."""
+    shape = bench.Shape(layers=2, kv_heads=2, head_dim=16, tokens=(9, 70), page_sizes=(8,))
+    result = bench.run(shape, quick=True, repeats=1, inner=1, tune=True, device=bench.torch.device("cpu"))
+    assert {r["tokens"] for r in result["rows"]} == {9}
+    assert result["tile_sweep"]
+
+
+def test_budget_skips_the_rest_and_says_so() -> None:
+    shape = bench.Shape(layers=1, kv_heads=1, head_dim=16, tokens=(5,), page_sizes=(4,))
+    result = bench.run(shape, quick=False, repeats=1, inner=1, tune=False, device=bench.torch.device("cpu"),
+                       budget_s=0.0)
+    n_cases = len(bench.DTYPES) * 2
+    assert len(result["skipped"]) == n_cases - 1  # the first case always runs: a report needs a row
+    assert {r["op"] for r in result["rows"]} == set(bench.OPS)
 
 
 def test_bench_refuses_full_run_without_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

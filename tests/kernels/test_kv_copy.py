@@ -17,6 +17,7 @@ from kvxferd.kernels import (
     slot_nbytes,
     triton_available,
 )
+from kvxferd.kernels._staged import staged_pieces
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed")
 
@@ -227,6 +228,9 @@ def test_auto_backend_copies_right() -> None:
         ({"page_ids": torch.tensor([[0, 1, 2]])}, "1-D"),
         ({"out_bytes": 7}, "slot holds 7 bytes"),
         ({"v_layers": []}, "V layers"),
+        ({"token_offset": 4}, "token_offset"),
+        ({"token_offset": -1}, "token_offset"),
+        ({"token_offset": 1}, "from offset 1 need 4 pages"),
     ],
 )
 def test_validation(kwargs: dict[str, object], match: str) -> None:
@@ -262,8 +266,8 @@ def test_staged_chunks_tile_the_slot(half: int, num_heads: int, num_lp: int, pla
     kv = KVPages([torch.zeros(plane, num_heads + 1, 1, dtype=torch.int8) for _ in range(layers)], None)
     # One-byte rows and `plane` tokens make each (head, layer-plane) exactly `plane` bytes.
     slot = torch.empty(kv.slot_nbytes(plane, num_heads), dtype=torch.uint8)
-    call = kv._validate(torch.zeros(1, dtype=torch.int64), plane, plane, slot, 1, num_heads)
-    chunks = list(kv._chunks(call, half))
+    call = kv._validate(torch.zeros(1, dtype=torch.int64), plane, 0, plane, slot, 1, num_heads)
+    chunks = list(staged_pieces(call, plane, half))
     pos = 0
     for ch in chunks:
         assert ch.offset == pos and 0 < ch.nbytes <= half
@@ -283,13 +287,53 @@ def test_layer_plane_subrange_launch() -> None:
     k, v = _kv(3, 16, 2, 8, torch.float16, dev, gen)
     kv = KVPages(k, v, staging_bytes=0)
     pages = torch.tensor([2, 0], dtype=torch.int64)
-    full = kv._validate(pages, 7, 4, torch.empty(kv.slot_nbytes(7, 1), dtype=torch.uint8, device=dev), 1, 1)
+    full = kv._validate(pages, 7, 0, 4, torch.empty(kv.slot_nbytes(7, 1), dtype=torch.uint8, device=dev), 1, 1)
     nbytes = 3 * 7 * 8 * 2  # 3 layer-planes of one head
     got = _slot(nbytes, dev, gen)
     want = _slot(nbytes, "cpu", gen)
     kv._launch("gather", replace(full, lp_begin=2, num_lp=3, slot=got), SMALL_TILE)
-    kv._gather_torch(replace(full, lp_begin=2, num_lp=3, slot=want))
+    kv._copy_torch("gather", replace(full, lp_begin=2, num_lp=3, slot=want))
     assert torch.equal(_bytes(got), want)
     # Plane 2 is layer 1's K: check one element against the source directly.
     first = got.cpu().view(torch.float16).view(3, 7, 8)[0, 0]
     assert torch.equal(first.view(torch.int16), k[1][2 * 4, 1].cpu().view(torch.int16))
+
+
+@pytest.mark.parametrize(("page_size", "chunk"), [(4, 5), (8, 3), (16, 20), (4, 4)])
+def test_chunks_that_start_and_end_mid_page(
+    placement: tuple[str, str, int | None], page_size: int, chunk: int
+) -> None:
+    """A sequence cut into chunks that ignore page boundaries: every chunk is gathered from one
+    pool and scattered into another at its token offset. The second pool then holds exactly the
+    sequence's tokens (partial pages filled by two chunks), and nothing else changed."""
+    dev, where, staging = placement
+    sb = DEFAULT_STAGING_BYTES if staging is None else staging
+    gen = torch.Generator().manual_seed(page_size * 100 + chunk)
+    layers, heads, dim, seq = 2, 3, 8, 23
+    n_pages = -(-seq // page_size)
+    slots = (n_pages + 3) * page_size
+    k, v = _kv(layers, slots, heads, dim, torch.bfloat16, dev, gen)
+    k_dst, v_dst = _kv(layers, slots, heads, dim, torch.bfloat16, dev, gen)
+    k_before = [t.clone() for t in k_dst + v_dst]
+    src_pages = _pages("shuffled", n_pages, slots // page_size, gen)
+    dst_pages = _pages("shuffled", n_pages, slots // page_size, gen)
+    for start in range(0, seq, chunk):
+        n = min(chunk, seq - start)
+        first, off = start // page_size, start % page_size
+        nbytes = slot_nbytes(heads, layers, 2, n, dim, torch.bfloat16)
+        out = _slot(nbytes, where, gen)
+        ref = _slot(nbytes, "cpu", gen)
+        gather_kv(k, v, src_pages[first:], n, page_size, out, token_offset=off, backend="triton", tile=SMALL_TILE,
+                  staging_bytes=sb)
+        gather_kv(k, v, src_pages[first:], n, page_size, ref, token_offset=off, backend="torch")
+        assert torch.equal(_bytes(out), ref)
+        scatter_kv(k_dst, v_dst, dst_pages[first:], n, page_size, out, token_offset=off, backend="triton",
+                   tile=SMALL_TILE, staging_bytes=sb)
+    tok = torch.arange(seq)
+    src_slots = (src_pages[tok // page_size] * page_size + tok % page_size).to(dev)
+    dst_slots = (dst_pages[tok // page_size] * page_size + tok % page_size).to(dev)
+    untouched = torch.ones(slots, dtype=torch.bool)
+    untouched[dst_slots.cpu()] = False
+    for src_t, got, before in zip(k + v, k_dst + v_dst, k_before, strict=True):
+        assert torch.equal(_bytes(got[dst_slots]), _bytes(src_t[src_slots]))
+        assert torch.equal(_bytes(got[untouched.to(dev)]), _bytes(before[untouched.to(dev)]))

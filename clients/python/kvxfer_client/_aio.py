@@ -11,6 +11,7 @@ import grpc
 
 from kvxfer_client._common import (
     CHANNEL_OPTIONS,
+    RING_READY_TIMEOUT_S,
     Chunk,
     KvxferError,
     Landed,
@@ -32,11 +33,13 @@ from kvxfer_client._common import (
     room_event,
     room_pb,
     room_status,
+    still_pending,
     target,
     watermark_request,
     wrap_rpc_error,
 )
 from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from kvxfer_client._pinned import check_can_pin, gpu_ring_for
 
 
 class _AsyncEngineClient:
@@ -57,19 +60,30 @@ class _AsyncEngineClient:
         cls, *, group: str, layout: Layout, tp_size: int = 1, tp_rank: int = 0, ring_bytes: int = 64 << 20,
         socket: str | None = None, name: str = "", lease_ms: int = 0, cuda_ring: dict[str, Any] | None = None,
         map_pool: bool = True, call_timeout: float = 10.0, ring_tensor: Any = None,
-        zero_copy: bool = False,
+        zero_copy: bool = False, kv_device: str = "", pin_host: bool = False,
     ) -> Any:
         self = cls(socket=socket, call_timeout=call_timeout)
         self.layout = layout
+        # kv_device="cuda:N": the daemon says which staging is fast there, a GPU ring or a pinned host ring.
+        pin = pin_host
+        if kv_device.startswith("cuda") and ring_tensor is None and cuda_ring is None and not pin_host:
+            ring_tensor = gpu_ring_for(kv_device, (await self.status()).gpu_data_path, ring_bytes)
+            pin = ring_tensor is None
+        if pin:
+            check_can_pin()
         self.ring_tensor = ring_tensor
         if ring_tensor is not None and cuda_ring is None:
             cuda_ring = export_ring(ring_tensor)
         req = register_request(
             self.role, group, layout, tp_size, tp_rank, ring_bytes, name, lease_ms, cuda_ring, zero_copy=zero_copy
         )
-        self.reg = registration(await self._call(self.stub.RegisterEngine, req))
+        deadline = time.monotonic() + RING_READY_TIMEOUT_S
+        reply = await self._call(self.stub.RegisterEngine, req)
+        while still_pending(req, reply, deadline):
+            reply = await self._call(self.stub.RegisterEngine, req)
+        self.reg = registration(reply)
         if map_pool and cuda_ring is None:
-            self.pool = PoolMapping(self.reg)
+            self.pool = PoolMapping(self.reg, pin=pin)
         self._renewer = asyncio.ensure_future(self._renew())
         return self
 

@@ -6,13 +6,14 @@ import enum
 import mmap
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
 from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2
+from kvxfer_client._pinned import HostPin
 
 MAX_MESSAGE_BYTES = 4 << 20
 
@@ -103,6 +104,18 @@ class Layout:
             dtype_bytes=self.dtype_bytes, page_size=self.page_size, mla=self.mla, dtype=self.dtype,
         )
 
+    def chunk_pages(self, room_pages: Sequence[int], token_start: int, num_tokens: int) -> tuple[list[int], int]:
+        """A chunk's pages (those its tokens touch, from the one holding ``token_start``) and the
+        offset of its first token in the first: what the kernels' ``page_ids``/``token_offset`` and
+        a zero-copy ``enqueue(pages=...)`` take. Chunks may start and end anywhere in a page."""
+        if token_start < 0 or num_tokens < 1:
+            raise ValueError(f"bad token range [{token_start}, +{num_tokens})")
+        first, offset = divmod(token_start, self.page_size)
+        last = -(-(token_start + num_tokens) // self.page_size)
+        if last > len(room_pages):
+            raise ValueError(f"tokens up to {token_start + num_tokens} need {last} pages, the room has {len(room_pages)}")
+        return list(room_pages[first:last]), offset
+
 
 @dataclass(frozen=True)
 class Slot:
@@ -192,7 +205,25 @@ def register_request(
     )
     if cuda_ring is not None:
         req.cuda_ring.CopyFrom(engine_pb2.CudaIpcRing(**cuda_ring))
+        # The daemon imports the ring while we ask again: no call has to outlive the import.
+        req.accept_pending = True
     return req
+
+
+# How long a registration may wait for the daemon to import its GPU ring (eight ranks per side
+# starting at once queue their imports); each call is short, this bounds them all.
+RING_READY_TIMEOUT_S = 600.0
+
+
+def still_pending(req: engine_pb2.RegisterEngineRequest, reply: engine_pb2.RegisterEngineReply, deadline: float) -> bool:
+    """Whether to ask again (then ``req`` names the pending registration); raises past ``deadline``."""
+    if not reply.pending:
+        return False
+    if time.monotonic() > deadline:
+        raise KvxferError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                          f"the daemon had not imported the GPU ring after {RING_READY_TIMEOUT_S:.0f} s")
+    req.registration_id = reply.registration_id
+    return True
 
 
 def registration(reply: engine_pb2.RegisterEngineReply) -> Registration:
@@ -276,12 +307,14 @@ def bytes_tensor(ring_tensor: Any, pool: PoolMapping | None, offset: int, length
 class PoolMapping:
     """The daemon's host pool mapped into this process; the engine's ring is a window of it."""
 
-    def __init__(self, reg: Registration) -> None:
+    def __init__(self, reg: Registration, pin: bool = False) -> None:
         fd = os.open(reg.pool_path, os.O_RDWR)
         try:
             self._mm = mmap.mmap(fd, reg.pool_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
+        # A GPU engine's host ring: page-locked here so its kernels reach it at copy-engine speed.
+        self.pin = HostPin(self._mm, reg.ring_offset, reg.ring_bytes) if pin else None
         self._ring = memoryview(self._mm)[reg.ring_offset : reg.ring_offset + reg.ring_bytes]
         self.ring_bytes = reg.ring_bytes
 
@@ -291,6 +324,9 @@ class PoolMapping:
         return self._ring[offset : offset + length]
 
     def close(self) -> None:
+        if self.pin is not None:
+            self.pin.close()
+            self.pin = None
         self._ring.release()
         try:
             self._mm.close()

@@ -11,6 +11,7 @@ import grpc
 
 from kvxfer_client._common import (
     CHANNEL_OPTIONS,
+    RING_READY_TIMEOUT_S,
     Chunk,
     KvxferError,
     Landed,
@@ -32,11 +33,13 @@ from kvxfer_client._common import (
     room_event,
     room_pb,
     room_status,
+    still_pending,
     target,
     watermark_request,
     wrap_rpc_error,
 )
 from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from kvxfer_client._pinned import check_can_pin, gpu_ring_for
 
 _RETRYABLE_FULL = grpc.StatusCode.RESOURCE_EXHAUSTED
 
@@ -48,23 +51,34 @@ class _EngineClient:
         self, *, group: str, layout: Layout, tp_size: int = 1, tp_rank: int = 0, ring_bytes: int = 64 << 20,
         socket: str | None = None, name: str = "", lease_ms: int = 0, cuda_ring: dict[str, Any] | None = None,
         map_pool: bool = True, call_timeout: float = 10.0, ring_tensor: Any = None,
-        zero_copy: bool = False,
+        zero_copy: bool = False, kv_device: str = "", pin_host: bool = False,
     ) -> None:
+        self._channel = grpc.insecure_channel(target(socket), options=CHANNEL_OPTIONS)
+        self.stub = engine_pb2_grpc.EngineStub(self._channel)
+        self._timeout = call_timeout
+        # kv_device="cuda:N": the daemon says which staging is fast there, a GPU ring or a pinned host ring.
+        pin = pin_host
+        if kv_device.startswith("cuda") and ring_tensor is None and cuda_ring is None and not pin_host:
+            ring_tensor = gpu_ring_for(kv_device, self.status().gpu_data_path, ring_bytes)
+            pin = ring_tensor is None
+        if pin:
+            check_can_pin()
         # A GPU staging ring: the engine keeps the tensor, the daemon imports it by IPC handle.
         self.ring_tensor = ring_tensor
         if ring_tensor is not None and cuda_ring is None:
             cuda_ring = export_ring(ring_tensor)
-        self._channel = grpc.insecure_channel(target(socket), options=CHANNEL_OPTIONS)
-        self.stub = engine_pb2_grpc.EngineStub(self._channel)
-        self._timeout = call_timeout
         self.layout = layout
         self.tp_size, self.tp_rank = tp_size, tp_rank
         req = register_request(
             self.role, group, layout, tp_size, tp_rank, ring_bytes, name, lease_ms, cuda_ring, zero_copy=zero_copy
         )
-        self.reg: Registration = registration(self._call(self.stub.RegisterEngine, req))
+        deadline = time.monotonic() + RING_READY_TIMEOUT_S
+        reply = self._call(self.stub.RegisterEngine, req)
+        while still_pending(req, reply, deadline):
+            reply = self._call(self.stub.RegisterEngine, req)
+        self.reg: Registration = registration(reply)
         self.engine_id = self.reg.engine_id
-        self.pool = PoolMapping(self.reg) if (map_pool and cuda_ring is None) else None
+        self.pool = PoolMapping(self.reg, pin=pin) if (map_pool and cuda_ring is None) else None
         self._closed = threading.Event()
         # Renew at a third of the lease so one lost renewal is not fatal.
         self._keepalive = threading.Thread(

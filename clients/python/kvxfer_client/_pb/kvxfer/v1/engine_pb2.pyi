@@ -30,7 +30,7 @@ class CudaIpcRing(_message.Message):
     def __init__(self, handle: _Optional[bytes] = ..., device_uuid: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
 
 class RegisterEngineRequest(_message.Message):
-    __slots__ = ("role", "group", "layout", "parallel", "ring_bytes", "cuda_ring", "lease_ms", "name", "zero_copy")
+    __slots__ = ("role", "group", "layout", "parallel", "ring_bytes", "cuda_ring", "lease_ms", "name", "zero_copy", "accept_pending", "registration_id")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,8 @@ class RegisterEngineRequest(_message.Message):
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     ZERO_COPY_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_PENDING_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_ID_FIELD_NUMBER: _ClassVar[int]
     role: Role
     group: str
     layout: _common_pb2.KVLayout
@@ -49,10 +51,12 @@ class RegisterEngineRequest(_message.Message):
     lease_ms: int
     name: str
     zero_copy: bool
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., group: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., parallel: _Optional[_Union[_common_pb2.Parallelism, _Mapping]] = ..., ring_bytes: _Optional[int] = ..., cuda_ring: _Optional[_Union[CudaIpcRing, _Mapping]] = ..., lease_ms: _Optional[int] = ..., name: _Optional[str] = ..., zero_copy: _Optional[bool] = ...) -> None: ...
+    accept_pending: bool
+    registration_id: str
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., group: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., parallel: _Optional[_Union[_common_pb2.Parallelism, _Mapping]] = ..., ring_bytes: _Optional[int] = ..., cuda_ring: _Optional[_Union[CudaIpcRing, _Mapping]] = ..., lease_ms: _Optional[int] = ..., name: _Optional[str] = ..., zero_copy: _Optional[bool] = ..., accept_pending: _Optional[bool] = ..., registration_id: _Optional[str] = ...) -> None: ...
 
 class RegisterEngineReply(_message.Message):
-    __slots__ = ("engine_id", "pool_path", "pool_bytes", "ring_offset", "ring_bytes", "lease_ms", "daemon_id", "peer_address")
+    __slots__ = ("engine_id", "pool_path", "pool_bytes", "ring_offset", "ring_bytes", "lease_ms", "daemon_id", "peer_address", "pending", "registration_id")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_PATH_FIELD_NUMBER: _ClassVar[int]
     POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +65,8 @@ class RegisterEngineReply(_message.Message):
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     DAEMON_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_ID_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     pool_path: str
     pool_bytes: int
@@ -69,7 +75,9 @@ class RegisterEngineReply(_message.Message):
     lease_ms: int
     daemon_id: str
     peer_address: str
-    def __init__(self, engine_id: _Optional[str] = ..., pool_path: _Optional[str] = ..., pool_bytes: _Optional[int] = ..., ring_offset: _Optional[int] = ..., ring_bytes: _Optional[int] = ..., lease_ms: _Optional[int] = ..., daemon_id: _Optional[str] = ..., peer_address: _Optional[str] = ...) -> None: ...
+    pending: bool
+    registration_id: str
+    def __init__(self, engine_id: _Optional[str] = ..., pool_path: _Optional[str] = ..., pool_bytes: _Optional[int] = ..., ring_offset: _Optional[int] = ..., ring_bytes: _Optional[int] = ..., lease_ms: _Optional[int] = ..., daemon_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., pending: _Optional[bool] = ..., registration_id: _Optional[str] = ...) -> None: ...
 
 class UnregisterEngineRequest(_message.Message):
     __slots__ = ("engine_id",)
@@ -336,7 +344,7 @@ class PeerInfo(_message.Message):
     def __init__(self, daemon_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., bytes_sent: _Optional[int] = ..., rooms: _Optional[int] = ...) -> None: ...
 
 class DaemonStatus(_message.Message):
-    __slots__ = ("daemon_id", "version", "serving", "engines", "peers", "rooms_by_state", "slots_held", "pool_bytes", "uptime_s", "peer_address")
+    __slots__ = ("daemon_id", "version", "serving", "engines", "peers", "rooms_by_state", "slots_held", "pool_bytes", "uptime_s", "peer_address", "gpu_data_path")
     class RoomsByStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -354,6 +362,7 @@ class DaemonStatus(_message.Message):
     POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    GPU_DATA_PATH_FIELD_NUMBER: _ClassVar[int]
     daemon_id: str
     version: str
     serving: bool
@@ -364,4 +373,5 @@ class DaemonStatus(_message.Message):
     pool_bytes: int
     uptime_s: float
     peer_address: str
-    def __init__(self, daemon_id: _Optional[str] = ..., version: _Optional[str] = ..., serving: _Optional[bool] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., rooms_by_state: _Optional[_Mapping[str, int]] = ..., slots_held: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., uptime_s: _Optional[float] = ..., peer_address: _Optional[str] = ...) -> None: ...
+    gpu_data_path: str
+    def __init__(self, daemon_id: _Optional[str] = ..., version: _Optional[str] = ..., serving: _Optional[bool] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., rooms_by_state: _Optional[_Mapping[str, int]] = ..., slots_held: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., uptime_s: _Optional[float] = ..., peer_address: _Optional[str] = ..., gpu_data_path: _Optional[str] = ...) -> None: ...
