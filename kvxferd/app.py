@@ -40,6 +40,7 @@ from kvxferd.memory import HostPool
 from kvxferd.metrics import Metrics, start_metrics_server
 from kvxferd.node import Node
 from kvxferd.peer import PeerManager, PeerServicer, grpc_options
+from kvxferd.registry_etcd import RegistryUnavailable, make_registry
 from kvxferd.scheduler import Scheduler
 from kvxferd.servicer import EngineServicer, wrap_servicer
 from kvxferd.transport import Transport
@@ -52,6 +53,8 @@ logger = logging.getLogger(__name__)
 
 ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
 PEER_SERVICE = peer_pb2.DESCRIPTOR.services_by_name["Peer"].full_name
+# Health of the fleet registry alone: NOT_SERVING while etcd is away, "" and the services stay SERVING.
+REGISTRY_HEALTH = "kvxferd.Registry"
 # After the last room finished, how long a drain waits for engines to read the outcomes.
 DRAIN_LINGER_S = 2.0
 PEER_UNARY = ("Handshake", "Bootstrap", "AllocSlot", "Watermark", "Complete", "Abort", "Heartbeat")
@@ -331,6 +334,16 @@ async def serve(
         peers.start()
         for svc in ("", ENGINE_SERVICE, PEER_SERVICE):
             await health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
+        registry = make_registry(config, node, peers.instance_gone, metrics, lambda up: node.spawn(
+            health_servicer.set(REGISTRY_HEALTH, health_pb2.HealthCheckResponse.SERVING if up
+                                else health_pb2.HealthCheckResponse.NOT_SERVING), "registry health"))
+        if registry is not None:
+            await health_servicer.set(REGISTRY_HEALTH, health_pb2.HealthCheckResponse.NOT_SERVING)
+            node.registry = registry
+            try:
+                await registry.start()
+            except RegistryUnavailable as exc:
+                raise StartupError(str(exc)) from exc
         sweeper = asyncio.ensure_future(_sweep(node))
         if injector is not None:
             faults = asyncio.ensure_future(_fault_control(config.socket + FAULT_CONTROL_SUFFIX, injector, node, workers))
@@ -383,6 +396,7 @@ async def serve(
             await asyncio.sleep(0.1)
         logger.info("drained in %.2f s", time.monotonic() - t0)
         sweeper.cancel()
+        await node.registry.stop()
         await peers.stop()
         return 0
     finally:

@@ -34,6 +34,7 @@ from kvxferd.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
+    KvxferError,
     NotFound,
     PermissionDenied,
     ResourceExhausted,
@@ -42,6 +43,7 @@ from kvxferd.errors import (
 from kvxferd.layout import KVLayout, part_bytes, plan, rank_heads
 from kvxferd.memory import HostPool, RingAllocator, Watermark
 from kvxferd.metrics import Metrics
+from kvxferd.registry import NoRegistry, Registry
 from kvxferd.rooms import InSlot, OutChunk, ReaderState, RecvRoom, RoomBase, SendRoom, WriterState
 
 if TYPE_CHECKING:
@@ -59,6 +61,7 @@ QUARANTINE_S = 30.0
 MAX_TOMBSTONES = 65536
 NOTIF_PREFIX = b"kvx1"
 BOOTSTRAP_RETRY_S = 5.0
+RESOLVE_MARGIN_S = 0.05
 _PEER_DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
@@ -170,6 +173,7 @@ class Node:
         self.recv_rooms: dict[int, RecvRoom] = {}
         self.peers: PeerManager  # set by app
         self.scheduler: Scheduler  # set by app
+        self.registry: Registry = NoRegistry()  # set by app when [registry] is on
         # Runs a slow blocking call (CUDA IPC import, NIXL VRAM registration) off the event loop;
         # set by app to WorkerPool.run_blocking. Inline by default (unit tests without workers).
         self.run_blocking: Callable[..., Awaitable[Any]] = _run_inline
@@ -341,6 +345,7 @@ class Node:
             "engine %s registered: %s group=%s tp=%d/%d ring=%s %d B", engine_id, spec.role.name.lower(),
             spec.group, p.tp_rank, p.tp_size, ring.kind, ring.size,
         )
+        self.registry.groups_changed()
         return eng
 
     async def _close_ring(self, engine_id: str, close: Callable[[], None]) -> None:
@@ -397,6 +402,7 @@ class Node:
         self._closing_rings.append(eng)
         self._maybe_close_ring(eng)
         self.refresh_metrics()
+        self.registry.groups_changed()
 
     def _maybe_close_ring(self, eng: Engine) -> None:
         """A ring goes back only when no transfer can touch it any more."""
@@ -767,8 +773,10 @@ class Node:
             self._check_pages(eng, pages, num_tokens, "ExpectRoom")
         elif pages:
             raise InvalidArgument("pages are only for zero-copy engines")
-        if not _valid_hostport(prefill_address):
+        if prefill_address and not _valid_hostport(prefill_address):
             raise InvalidArgument("prefill_address must be HOST:PORT of the prefill daemon's peer service")
+        if not prefill_address and not self.registry.enabled:
+            raise InvalidArgument("prefill_address is required (HOST:PORT) unless a fleet registry is configured")
         if not prefill_group:
             raise InvalidArgument("prefill_group must name the prefill engines' group")
         if not 1 <= num_tokens <= MAX_TOKENS:
@@ -793,7 +801,7 @@ class Node:
         else:
             if room.finished:
                 raise FailedPrecondition(f"room {key} is already {room.state.name}")
-            if (room.prefill_address, room.prefill_group, room.num_tokens, room.decode_tp) != (
+            if ("" if room.by_group else room.prefill_address, room.prefill_group, room.num_tokens, room.decode_tp) != (
                 prefill_address, prefill_group, num_tokens, p.tp_size
             ):
                 raise InvalidArgument(f"room {key}: other readers expect a different prefill source or size")
@@ -813,6 +821,8 @@ class Node:
         retry_until = time.monotonic() + BOOTSTRAP_RETRY_S
         while True:
             try:
+                if room.by_group:
+                    room.prefill_address = await self._resolve_prefill(room)
                 peer = await self.peers.connect(room.prefill_address)
                 room.peer = peer
                 rs0 = room.readers.get(reader)
@@ -828,6 +838,7 @@ class Node:
             except grpc.aio.AioRpcError as exc:
                 # The prefill engines may still be starting: a missing group gets a short grace.
                 if exc.code() == grpc.StatusCode.NOT_FOUND and time.monotonic() < retry_until and not room.finished:
+                    room.resolving = None  # a group addressed by name may have moved: look again
                     await asyncio.sleep(0.1)
                     continue
                 # The prefill daemon has us down (it lost our heartbeats, or thinks we restarted)
@@ -845,6 +856,9 @@ class Node:
                     room, code, f"bootstrap with {room.prefill_address} failed: {exc.code().name}: {exc.details()}",
                     push=False,
                 )
+                return
+            except KvxferError as exc:  # the registry could not place the group
+                self.fail_recv_room(room, FailureCode.PEER_LOST, str(exc), push=False)
                 return
             except Exception as exc:
                 self.fail_recv_room(room, FailureCode.PEER_LOST, f"bootstrap with {room.prefill_address} failed: {exc}",
@@ -871,6 +885,17 @@ class Node:
             logger.info("room %s: decode side bootstrapped (prefill tp %d)", room.key, prefill_tp)
             self._emit_recv(room)
         self.refresh_metrics()
+
+    async def _resolve_prefill(self, room: RecvRoom) -> str:
+        """One registry lookup per room (every reader must reach the same daemon); it waits for
+        the group to register until just before the room's deadline, so the failure names it."""
+        if room.resolving is None:
+            until = room.created + room.deadline_s - RESOLVE_MARGIN_S
+            room.resolving = asyncio.ensure_future(self._resolved_address(room.prefill_group, until))
+        return await asyncio.shield(room.resolving)
+
+    async def _resolved_address(self, group: str, until: float) -> str:
+        return (await self.registry.resolve_group(group, "prefill", until)).address
 
     def _recv_room(self, key: RoomKey) -> RecvRoom:
         room = self.recv_rooms.get(key.id)
