@@ -40,6 +40,7 @@ from kvxferd.memory import HostPool
 from kvxferd.metrics import Metrics, start_metrics_server
 from kvxferd.node import Node
 from kvxferd.peer import PeerManager, PeerServicer, grpc_options
+from kvxferd.registry import REGISTRY_HEALTH
 from kvxferd.registry_etcd import RegistryUnavailable, make_registry
 from kvxferd.scheduler import Scheduler
 from kvxferd.servicer import EngineServicer, wrap_servicer
@@ -53,8 +54,6 @@ logger = logging.getLogger(__name__)
 
 ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
 PEER_SERVICE = peer_pb2.DESCRIPTOR.services_by_name["Peer"].full_name
-# Health of the fleet registry alone: NOT_SERVING while etcd is away, "" and the services stay SERVING.
-REGISTRY_HEALTH = "kvxferd.Registry"
 # After the last room finished, how long a drain waits for engines to read the outcomes.
 DRAIN_LINGER_S = 2.0
 PEER_UNARY = ("Handshake", "Bootstrap", "AllocSlot", "Watermark", "Complete", "Abort", "Heartbeat")

@@ -22,6 +22,9 @@ from kvxferd.errors import FailedPrecondition, InvalidArgument, Unavailable
 
 logger = logging.getLogger(__name__)
 
+# gRPC health service name of the registry alone: NOT_SERVING while etcd is away, while "" and
+# the daemon's own services stay SERVING.
+REGISTRY_HEALTH = "kvxferd.Registry"
 # Bumped when a record's JSON changes incompatibly; readers skip records of other formats.
 RECORD_FORMAT = 1
 
@@ -205,6 +208,6 @@ def check_group_name(group: str) -> None:
 
 
 __all__ = [
-    "DaemonRecord", "FleetCache", "GroupLocation", "GroupRecord", "NoRegistry", "Registry", "all_ranks",
+    "REGISTRY_HEALTH", "DaemonRecord", "FleetCache", "GroupLocation", "GroupRecord", "NoRegistry", "Registry", "all_ranks",
     "layout_digest", "wait_for_group",
 ]

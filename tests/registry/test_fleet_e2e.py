@@ -5,6 +5,7 @@ that lands is checked against the pattern the prefill side wrote."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import urllib.request
 from typing import Any
@@ -13,9 +14,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvxfer_client import DecodeReceiver, Layout, PrefillSender, RoomFailed, RoomState
-from kvxferd.app import REGISTRY_HEALTH
+from kvxferd.cli import main as cli
 from kvxferd.config import load_config
-from kvxferd.registry import DaemonRecord
+from kvxferd.registry import REGISTRY_HEALTH, DaemonRecord
 from kvxferd.registry_etcd import read_fleet
 from tests.engine_procs import part_bytes_for
 from tests.registry.conftest import Etcd, registry_args
@@ -123,7 +124,13 @@ def test_rooms_by_group_kill_restart_and_move(etcd: Etcd, daemons: Any) -> None:
     rx.close()
 
 
-def test_etcd_down_mid_run_then_back(etcd: Etcd, daemons: Any) -> None:
+def cli_json(capsys: Any, *argv: str) -> Any:
+    capsys.readouterr()
+    assert cli([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_etcd_down_mid_run_then_back(etcd: Etcd, daemons: Any, capsys: Any) -> None:
     args = registry_args(etcd, ttl=2)
     pre, dec = daemons("pre", *args), daemons("dec", *args)
     tx = sender(pre, "p")
@@ -141,6 +148,9 @@ def test_etcd_down_mid_run_then_back(etcd: Etcd, daemons: Any) -> None:
              "registry reported degraded")
     assert health(dec.socket, "") == health_pb2.HealthCheckResponse.SERVING, "the daemon itself is not down"
     assert metric(dec, "kvxferd_registry_up") == 0
+    assert cli_json(capsys, "status", "--socket", dec.socket)["registry"].startswith("DEGRADED")
+    assert cli(["status", "--fleet", "--endpoints", etcd.endpoint]) == 1
+    assert "etcd unreachable" in capsys.readouterr().err
     for room in (12, 13):
         rx.expect(room, "", "p", TOKENS)  # served from the cache
     for room in (10, 11, 12, 13):
@@ -166,6 +176,15 @@ def test_etcd_down_mid_run_then_back(etcd: Etcd, daemons: Any) -> None:
     wait_for(lambda: health(dec.socket, REGISTRY_HEALTH) == health_pb2.HealthCheckResponse.SERVING, 5, "healthy")
     assert metric(dec, "kvxferd_registry_up") == 1
     assert metric(dec, "kvxferd_registry_reconnects_total") >= 1
+    assert cli_json(capsys, "status", "--socket", dec.socket)["registry"] == "up"
+    rows = {r["daemon_id"]: r for r in cli_json(capsys, "status", "--fleet", "--endpoints", etcd.endpoint)}
+    assert set(rows) == {"pre", "dec"}
+    assert rows["pre"]["groups"] == [
+        {"group": "p", "role": "prefill", "tp_size": 1, "ranks": [0], "layout_digest": rows["pre"]["groups"][0]["layout_digest"]}
+    ]
+    assert rows["dec"]["address"] == dec.peer_address and rows["dec"]["age_s"] > 0 and rows["dec"]["instance_id"]
+    assert cli(["status", "--fleet", "--endpoints", etcd.endpoint]) == 0
+    assert "fleet: 2 daemon(s)" in capsys.readouterr().out
     tx2 = sender(pre, "late")  # a group registered after etcd came back resolves too
     rx.expect(30, "", "late", TOKENS)
     send_room(tx2, 30)
