@@ -224,7 +224,7 @@ def _coerce(key: str, value: Any) -> Any:
                 return False
             raise ValueError(value)
         if typ == "int":
-            if isinstance(value, bool):
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError(value)
             return int(value)
         if typ == "float":
