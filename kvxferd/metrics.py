@@ -66,7 +66,10 @@ class Metrics:
         )
         # Fleet registry (etcd): 1 while this daemon's record is published and the watch runs;
         # 0 means lookups of groups not seen yet cannot succeed (transfers are unaffected).
-        self.registry_up = Gauge("kvxferd_registry_up", "Registry connected and this daemon registered", registry=r)
+        # Labelled so that a daemon without a registry exports no series (and raises no alert).
+        self.registry_up = Gauge(
+            "kvxferd_registry_up", "Registry connected and this daemon registered", ["backend"], registry=r
+        )
         self.registry_daemons = Gauge("kvxferd_registry_daemons", "Daemons in the local registry cache", registry=r)
         self.registry_lookup = Histogram(
             "kvxferd_registry_lookup_seconds", "Prefill group to daemon resolution", ["result"],

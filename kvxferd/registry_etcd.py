@@ -161,7 +161,7 @@ class EtcdRegistry:
                 await self._task
             self._task = None
         self._up.clear()
-        self._m.registry_up.set(0)
+        self._m.registry_up.labels(backend="etcd").set(0)
         self.reason = "stopped"
 
     def groups_changed(self) -> None:
@@ -199,7 +199,7 @@ class EtcdRegistry:
             self._up.set()
             self.since = time.monotonic()
             self.reason = ""
-            self._m.registry_up.set(1)
+            self._m.registry_up.labels(backend="etcd").set(1)
             if self.sessions > 1:
                 self._m.registry_reconnects.inc()
             logger.info("registry: registered in etcd %s as %s (lease %x)",
@@ -212,14 +212,14 @@ class EtcdRegistry:
         if self._up.is_set():
             self._up.clear()
             self.since = time.monotonic()
-            self._m.registry_up.set(0)
+            self._m.registry_up.labels(backend="etcd").set(0)
             logger.warning("registry degraded: %s (transfers between known peers go on)", reason)
             if self._on_state is not None:
                 self._on_state(False)
 
     async def _run(self) -> None:
         backoff = BACKOFF_MIN_S
-        self._m.registry_up.set(0)
+        self._m.registry_up.labels(backend="etcd").set(0)
         while True:
             endpoint = self._cfg.registry_endpoints[self._endpoint]
             try:

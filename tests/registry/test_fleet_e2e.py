@@ -147,7 +147,7 @@ def test_etcd_down_mid_run_then_back(etcd: Etcd, daemons: Any, capsys: Any) -> N
     wait_for(lambda: health(dec.socket, REGISTRY_HEALTH) == health_pb2.HealthCheckResponse.NOT_SERVING, 10,
              "registry reported degraded")
     assert health(dec.socket, "") == health_pb2.HealthCheckResponse.SERVING, "the daemon itself is not down"
-    assert metric(dec, "kvxferd_registry_up") == 0
+    assert metric(dec, 'kvxferd_registry_up{backend="etcd"}') == 0
     assert cli_json(capsys, "status", "--socket", dec.socket)["registry"].startswith("DEGRADED")
     assert cli(["status", "--fleet", "--endpoints", etcd.endpoint]) == 1
     assert "etcd unreachable" in capsys.readouterr().err
@@ -174,7 +174,7 @@ def test_etcd_down_mid_run_then_back(etcd: Etcd, daemons: Any, capsys: Any) -> N
     wait_for(lambda: {"pre", "dec"} <= set(fleet(etcd)), 15, "daemons re-registered")
     assert [g.group for g in fleet(etcd)["pre"].groups] == ["p"]
     wait_for(lambda: health(dec.socket, REGISTRY_HEALTH) == health_pb2.HealthCheckResponse.SERVING, 5, "healthy")
-    assert metric(dec, "kvxferd_registry_up") == 1
+    assert metric(dec, 'kvxferd_registry_up{backend="etcd"}') == 1
     assert metric(dec, "kvxferd_registry_reconnects_total") >= 1
     assert cli_json(capsys, "status", "--socket", dec.socket)["registry"] == "up"
     rows = {r["daemon_id"]: r for r in cli_json(capsys, "status", "--fleet", "--endpoints", etcd.endpoint)}

@@ -41,8 +41,8 @@ class Daemon:
         self.record = replace(self.record, groups=groups)
         self.reg.groups_changed()
 
-    def gauge(self, name: str) -> float:
-        return float(self.metrics.registry.get_sample_value(name) or 0.0)
+    def gauge(self, name: str, **labels: str) -> float:
+        return float(self.metrics.registry.get_sample_value(name, labels) or 0.0)
 
 
 def group(name: str, role: str = "prefill", tp: int = 1, ranks: tuple[int, ...] = (0,)) -> GroupRecord:
@@ -64,7 +64,7 @@ async def test_register_watch_resolve_and_lease_expiry(etcd: Etcd) -> None:
     await b.reg.start()
     try:
         await until(lambda: a.reg.up and b.reg.up, what="both registered")
-        assert a.gauge("kvxferd_registry_up") == 1
+        assert a.gauge("kvxferd_registry_up", backend="etcd") == 1
         # Each sees the other through the watch.
         await until(lambda: a.reg.cache.get("b") is not None, what="a sees b")
         assert a.reg.cache.get("b") == b.record
@@ -143,7 +143,7 @@ async def test_etcd_down_then_back(etcd: Etcd) -> None:
         await until(lambda: a.reg.cache.get("b") is not None and bool(a.reg.cache.get("b").groups))  # type: ignore[union-attr]
         etcd.kill()
         await until(lambda: not a.reg.up, timeout=5, what="a notices etcd is gone")
-        assert a.states[-1] is False and a.gauge("kvxferd_registry_up") == 0
+        assert a.states[-1] is False and a.gauge("kvxferd_registry_up", backend="etcd") == 0
         assert "degraded" in str(a.reg.status()["state"])
         # The cache still serves what it knew; an unknown group waits, then fails naming the cause.
         assert (await a.reg.resolve_group("known", "prefill", time.monotonic() + 0.1)).daemon_id == "b"
