@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import socket
 import time
 from collections.abc import Callable
@@ -233,7 +234,8 @@ class EtcdRegistry:
             if self.sessions and self._up.is_set():
                 backoff = BACKOFF_MIN_S
             self._endpoint = (self._endpoint + 1) % len(self._cfg.registry_endpoints)
-            await asyncio.sleep(backoff)
+            # Jittered: after an etcd outage a whole fleet must not re-register in one burst.
+            await asyncio.sleep(backoff * random.uniform(0.5, 1.5))
             backoff = min(backoff * 2, BACKOFF_MAX_S)
 
     async def _session(self, endpoint: str) -> None:
