@@ -13,13 +13,13 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvxfer_client import DecodeReceiver, Layout, PrefillSender, RoomFailed, RoomState
+from kvxfer_client import DecodeReceiver, KvxferError, Layout, PrefillSender, RoomFailed, RoomState
 from kvxferd.cli import main as cli
 from kvxferd.config import load_config
 from kvxferd.registry import REGISTRY_HEALTH, DaemonRecord
 from kvxferd.registry_etcd import read_fleet
 from tests.engine_procs import part_bytes_for
-from tests.registry.conftest import Etcd, registry_args
+from tests.registry.conftest import Etcd, free_port, registry_args
 
 LAYOUT = Layout(num_layers=2, total_kv_heads=2, head_dim=64, dtype_bytes=2, page_size=16, dtype="bfloat16")
 TOKENS = 48
@@ -191,3 +191,40 @@ def test_etcd_down_mid_run_then_back(etcd: Etcd, daemons: Any, capsys: Any) -> N
     receive_exact(rx, 30)
     for c in (tx, tx2, rx):
         c.close()
+
+
+def test_lease_expiry_fails_rooms_before_heartbeats_would(etcd: Etcd, daemons: Any) -> None:
+    """Heartbeats are set to give up only after 10 s: the lease (2 s) is what fails the room."""
+    slow_beats = ["--set", "heartbeat_interval_s=1", "--set", "heartbeat_misses=10"]
+    pre = daemons("pre", *registry_args(etcd, ttl=2), *slow_beats)
+    dec = daemons("dec", *registry_args(etcd, ttl=2), *slow_beats)
+    tx = sender(pre, "p")
+    rx = DecodeReceiver(socket=dec.socket, group="dec", layout=LAYOUT, ring_bytes=8 << 20)
+    rx.expect(1, "", "p", TOKENS)
+    wait_for(lambda: rx.poll(1).state is RoomState.WAITING_FOR_INPUT, 10, "bootstrapped")
+    pre.kill()
+    took = wait_for(lambda: rx.poll(1).state is RoomState.FAILED, 9, "room failed by the lease")
+    st = rx.poll(1)
+    assert st.failure_code == "PEER_LOST" and "registry" in st.failure_reason, st
+    assert took < 2 + 2.0, f"{took:.1f} s"
+    tx.close(unregister=False)
+    rx.close()
+
+
+def test_static_mode_and_required_registry(daemons: Any) -> None:
+    # Without a registry a room must name its prefill daemon, and the error says so.
+    plain = daemons("plain")
+    rx = DecodeReceiver(socket=plain.socket, group="dec", layout=LAYOUT, ring_bytes=8 << 20)
+    try:
+        rx.expect(1, "", "p", TOKENS)
+        raise AssertionError("a room without an address was accepted in static mode")
+    except KvxferError as exc:
+        assert exc.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "prefill_address is required" in str(exc) and "fleet registry" in str(exc)
+    rx.close()
+    assert health(plain.socket, "") == health_pb2.HealthCheckResponse.SERVING
+    # registry.required with etcd unreachable: exit code 2 and one line saying why.
+    d = daemons("req", "--set", "registry_backend=etcd", "--set", f"registry_endpoints=127.0.0.1:{free_port()}",
+                "--set", "registry_required=true", "--set", "registry_timeout_s=0.5", wait=False)
+    assert d.proc.wait(30) == 2
+    assert "registry is required but etcd at 127.0.0.1:" in d.log_text()
