@@ -378,6 +378,9 @@ async def serve(
 
         # Drain.
         node.serving = False
+        # Leave the fleet first: peers stop routing new rooms here, while the rooms in flight
+        # (their peers heard from us just now) finish under heartbeats.
+        await node.registry.stop()
         for svc in ("", ENGINE_SERVICE, PEER_SERVICE):
             await health_servicer.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
         t0 = time.monotonic()
@@ -395,7 +398,6 @@ async def serve(
             await asyncio.sleep(0.1)
         logger.info("drained in %.2f s", time.monotonic() - t0)
         sweeper.cancel()
-        await node.registry.stop()
         await peers.stop()
         return 0
     finally:

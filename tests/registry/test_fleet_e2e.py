@@ -166,7 +166,7 @@ def test_etcd_down_mid_run_then_back(etcd: Etcd, daemons: Any, capsys: Any) -> N
     except RoomFailed as exc:
         assert "prefill group 'never-registered' is not registered" in exc.reason, exc.reason
         assert "registry degraded" in exc.reason, exc.reason
-    assert 1.3 < time.monotonic() - t0 < 3.0
+    assert 1.3 < time.monotonic() - t0 < 6.0
     rx.release(20)
 
     # etcd returns: both daemons re-register by themselves, with their groups.

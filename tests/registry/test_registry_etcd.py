@@ -81,7 +81,7 @@ async def test_register_watch_resolve_and_lease_expiry(etcd: Etcd) -> None:
         # From the cache: no wait.
         t0 = time.perf_counter()
         loc2 = await a.reg.resolve_group("llama-pre", "prefill", time.monotonic() + 1)
-        assert loc2 == loc and time.perf_counter() - t0 < 0.01
+        assert loc2 == loc and time.perf_counter() - t0 < 0.05
         # The decode role of the same name is another group.
         with pytest.raises(Unavailable, match="decode group 'llama-pre' is not registered"):
             await a.reg.resolve_group("llama-pre", "decode", time.monotonic() + 0.2)
@@ -99,7 +99,8 @@ async def test_register_watch_resolve_and_lease_expiry(etcd: Etcd) -> None:
 
 
 async def test_restart_and_move(etcd: Etcd) -> None:
-    a, b, c = Daemon(etcd.endpoint, "a"), Daemon(etcd.endpoint, "b"), Daemon(etcd.endpoint, "c")
+    # c's lease is long, so that its record going at once can only be the revocation.
+    a, b, c = Daemon(etcd.endpoint, "a"), Daemon(etcd.endpoint, "b"), Daemon(etcd.endpoint, "c", ttl=10)
     b.set_groups(group("g"))
     for d in (a, b, c):
         await d.reg.start()
@@ -124,11 +125,11 @@ async def test_restart_and_move(etcd: Etcd) -> None:
         # A graceful stop revokes the lease: the record goes at once, not a TTL later.
         await c.reg.stop()
         took = await until(lambda: a.reg.cache.get("c") is None, timeout=3)
-        assert took < 0.9
+        assert took < 3.0, f"{took:.1f} s: the record expired instead of being revoked"
         assert (await a.reg.resolve_group("g", "prefill", time.monotonic() + 1)).daemon_id == "b"
         fleet = await read_fleet(a.reg._cfg)
         assert [r.daemon_id for r, _ in fleet] == ["a", "b"]
-        assert all(0 <= ttl <= 2 for _, ttl in fleet), fleet  # whole seconds left
+        assert all(0 <= ttl <= 2 for _, ttl in fleet), fleet  # whole seconds left of 1 s leases
     finally:
         for d in (a, b, c):
             await d.reg.stop()
