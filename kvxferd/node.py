@@ -61,7 +61,7 @@ QUARANTINE_S = 30.0
 MAX_TOMBSTONES = 65536
 NOTIF_PREFIX = b"kvx1"
 BOOTSTRAP_RETRY_S = 5.0
-RESOLVE_MARGIN_S = 0.05
+RESOLVE_MARGIN_MIN_S, RESOLVE_MARGIN_MAX_S = 0.25, 1.0
 _PEER_DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
@@ -890,7 +890,10 @@ class Node:
         """One registry lookup per room (every reader must reach the same daemon); it waits for
         the group to register until just before the room's deadline, so the failure names it."""
         if room.resolving is None:
-            until = room.created + room.deadline_s - RESOLVE_MARGIN_S
+            # Ends well before the room's deadline timer, even on a busy loop, so the failure says
+            # which group was missing rather than just "deadline passed".
+            margin = min(RESOLVE_MARGIN_MAX_S, max(RESOLVE_MARGIN_MIN_S, 0.2 * room.deadline_s))
+            until = room.created + room.deadline_s - margin
             room.resolving = asyncio.ensure_future(self._resolved_address(room.prefill_group, until))
         return await asyncio.shield(room.resolving)
 

@@ -96,7 +96,8 @@ def test_rooms_by_group_kill_restart_and_move(etcd: Etcd, daemons: Any) -> None:
     assert st.failure_code == "PEER_LOST", st
     rx.release(2)
     gone = wait_for(lambda: "pre" not in fleet(etcd), 6, "dead daemon's record expired") + time.monotonic() - t_kill
-    assert gone < 2 + 1.5, f"record outlived the 2 s lease by {gone - 2:.1f} s"
+    # etcd sweeps expired leases every 0.5 s; polling etcd from here adds its own delay under load.
+    assert gone < 2 + 3.0, f"record outlived the 2 s lease by {gone - 2:.1f} s"
     tx.close(unregister=False)
 
     # Restart: same daemon id, new instance id; a room by group reaches the new instance.
@@ -166,7 +167,7 @@ def test_etcd_down_mid_run_then_back(etcd: Etcd, daemons: Any, capsys: Any) -> N
     except RoomFailed as exc:
         assert "prefill group 'never-registered' is not registered" in exc.reason, exc.reason
         assert "registry degraded" in exc.reason, exc.reason
-    assert 1.3 < time.monotonic() - t0 < 6.0
+    assert 1.0 < time.monotonic() - t0 < 6.0
     rx.release(20)
 
     # etcd returns: both daemons re-register by themselves, with their groups.
