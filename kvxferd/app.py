@@ -42,6 +42,8 @@ from kvxferd.peer_link import grpc_options
 from kvxferd.peer_servicer import PEER_UNARY, PeerServicer
 from kvxferd.peers import PeerManager
 from kvxferd.ports import Identity
+from kvxferd.registry import REGISTRY_HEALTH
+from kvxferd.registry_etcd import RegistryUnavailable, make_registry
 from kvxferd.servicer import EngineServicer, wrap_servicer
 from kvxferd.transport import FaultInjector, LocalTransport, NixlTransport, Transport
 from kvxferd.workers import WorkerPool
@@ -268,6 +270,16 @@ async def _start(d: _Daemon, ready: Callable[[Ready], None] | None) -> None:
     peers.start()
     for svc in ("", ENGINE_SERVICE, PEER_SERVICE):
         await health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
+    registry = make_registry(config, node.engines, ident, peers.instance_gone, metrics, lambda up: node.spawn(
+        health_servicer.set(REGISTRY_HEALTH, health_pb2.HealthCheckResponse.SERVING if up
+                            else health_pb2.HealthCheckResponse.NOT_SERVING), "registry health"))
+    if registry is not None:
+        await health_servicer.set(REGISTRY_HEALTH, health_pb2.HealthCheckResponse.NOT_SERVING)
+        node.set_registry(registry)
+        try:
+            await registry.start()
+        except RegistryUnavailable as exc:
+            raise StartupError(str(exc)) from exc
     d.background.append(asyncio.ensure_future(_sweep(node)))
     if injector is not None:
         d.background.append(asyncio.ensure_future(fault_control(
@@ -309,6 +321,8 @@ async def _drain(d: _Daemon) -> None:
     node, workers, config = d.node, d.workers, d.config
     assert node is not None and workers is not None and d.health is not None
     node.serving = False
+    # Leave the fleet first: peers stop routing new rooms here, while the rooms in flight finish.
+    await node.recv.registry.stop()
     await d.health.enter_graceful_shutdown()
     t0 = time.monotonic()
     while (node.active_rooms() or workers.in_flight) and time.monotonic() - t0 < config.drain_grace_s:

@@ -37,6 +37,57 @@ def _serve(args: argparse.Namespace) -> int:
     return run(config, ready_file=args.ready_file)
 
 
+def _registry_state(ch: Any, timeout: float) -> str:
+    """The daemon's view of the fleet registry, from its health service (off when not configured)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvxferd.registry import REGISTRY_HEALTH
+
+    try:
+        reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=REGISTRY_HEALTH),
+                                                     timeout=timeout)
+    except grpc.RpcError as exc:
+        return "off" if exc.code() == grpc.StatusCode.NOT_FOUND else f"unknown ({exc.code().name})"
+    return "up" if reply.status == health_pb2.HealthCheckResponse.SERVING else "DEGRADED (etcd unreachable)"
+
+
+def _fleet(args: argparse.Namespace) -> int:
+    import asyncio
+    import time
+
+    from kvxferd.config import ConfigError, load_config
+    from kvxferd.registry_etcd import RegistryUnavailable, read_fleet
+
+    overrides: dict[str, Any] = {"registry_backend": "etcd"}
+    if args.endpoints:
+        overrides["registry_endpoints"] = args.endpoints
+    try:
+        config = load_config(args.config, overrides=overrides)
+        fleet = asyncio.run(read_fleet(config))
+    except (ConfigError, RegistryUnavailable) as exc:
+        print(f"kvxferd: error: {exc}", file=sys.stderr)
+        return 1
+    now = time.time()
+    if args.json:
+        out = [{**rec.__dict__, "groups": [g.__dict__ for g in rec.groups], "age_s": round(now - rec.started_unix, 1),
+                "lease_ttl_s": ttl} for rec, ttl in fleet]
+        print(json.dumps(out, indent=2, sort_keys=True))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"fleet: {len(fleet)} daemon(s) in {config.registry_prefix} on {','.join(config.registry_endpoints)}")
+    for col in ("daemon", "instance", "address", "node", "version", "age", "lease", "groups (role tp ranks)"):
+        table.add_column(col)
+    for rec, ttl in fleet:
+        groups = "\n".join(f"{g.group} {g.role} tp{g.tp_size} {','.join(map(str, g.ranks))}" for g in rec.groups)
+        table.add_row(rec.daemon_id, rec.instance_id, rec.address, rec.node, rec.version,
+                      f"{now - rec.started_unix:.0f} s", f"{ttl} s", groups or "-")
+    Console().print(table)
+    return 0
+
+
 def _status(args: argparse.Namespace) -> int:
     import grpc
     from google.protobuf.json_format import MessageToDict
@@ -46,14 +97,18 @@ def _status(args: argparse.Namespace) -> int:
 
     path = args.socket or os.environ.get("KVXFERD_SOCKET") or _default_socket()
     target = path if ":" in path and not path.startswith("/") else f"unix:{path}"
+    if args.fleet:
+        return _fleet(args)
     try:
         with grpc.insecure_channel(target) as ch:
             st = engine_pb2_grpc.EngineStub(ch).GetStatus(engine_pb2.GetStatusRequest(), timeout=args.timeout)
+            registry = _registry_state(ch, args.timeout)
     except grpc.RpcError as exc:
         print(f"kvxferd: error: cannot reach the daemon at {path}: {exc.code().name}: {exc.details()}",
               file=sys.stderr)
         return 1
     data = MessageToDict(st, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    data["registry"] = registry
     if args.json:
         print(json.dumps(data, indent=2, sort_keys=True))
         return 0
@@ -67,6 +122,7 @@ def _status(args: argparse.Namespace) -> int:
     head.add_row("uptime", f"{st.uptime_s:.0f} s")
     head.add_row("host pool", f"{st.pool_bytes / 2**20:.0f} MiB")
     head.add_row("slots held", str(st.slots_held))
+    head.add_row("fleet registry", registry)
     con.print(head)
     rooms = Table(title="rooms by state")
     rooms.add_column("state")
@@ -118,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--socket", help="daemon socket path (or KVXFERD_SOCKET)")
     st.add_argument("--json", action="store_true", help="machine-readable output")
     st.add_argument("--timeout", type=float, default=5.0)
+    st.add_argument("--fleet", action="store_true",
+                    help="daemons, groups, instance ids and ages from the fleet registry (etcd)")
+    st.add_argument("--config", help="with --fleet: TOML file with the [registry] table (or KVXFERD_CONFIG)")
+    st.add_argument("--endpoints", help="with --fleet: etcd HOST:PORT[,HOST:PORT] (or KVXFERD_REGISTRY_ENDPOINTS)")
     b = sub.add_parser("bench", help="benchmarks; `kvxferd bench NAME --help`")
     b.add_argument("which", choices=_BENCHES)
     args, rest = parser.parse_known_args(argv)

@@ -81,6 +81,23 @@ class Config:
     tls_key: str = ""
     tls_ca: str = ""
     tls_client_auth: bool = False
+    # Fleet registry ([registry] table in the file; KVXFERD_REGISTRY_* in the environment).
+    # "none": rooms name their prefill daemon's address; "etcd": daemons publish themselves
+    # under a lease and rooms may name a prefill group only.
+    registry_backend: str = "none"
+    registry_endpoints: tuple[str, ...] = ()
+    registry_prefix: str = "/kvxferd"
+    # Seconds a dead daemon's record outlives it; keep-alives go out every third of it.
+    registry_lease_ttl_s: int = 10
+    # true: the daemon does not start while etcd is unreachable; false: it starts with the
+    # registry in back-off (degraded) and registers once etcd answers.
+    registry_required: bool = False
+    registry_timeout_s: float = 3.0
+    registry_tls_ca: str = ""
+    registry_tls_cert: str = ""
+    registry_tls_key: str = ""
+    # Published with the record; the DaemonSet sets it from the pod's node name.
+    registry_node_name: str = ""
     # Test-only: lets tests inject NIXL errors through the transport's hook.
     fault_injection: bool = False
     # "nixl" (default) or "local" (in-process copies; unit tests only).
@@ -134,10 +151,32 @@ class Config:
             path = getattr(self, key)
             if path and not Path(path).is_file():
                 raise ConfigError(f"{key}: no such file {path!r}")
+        self._validate_registry()
         if not Path(self.shm_dir).is_dir():
             raise ConfigError(f"shm_dir {self.shm_dir!r} is not a directory")
         _check_socket_path(self.socket)
         return self
+
+    def _validate_registry(self) -> None:
+        if self.registry_backend not in ("none", "etcd"):
+            raise ConfigError(f"registry.backend must be none|etcd, got {self.registry_backend!r}")
+        if self.registry_backend == "etcd" and not self.registry_endpoints:
+            raise ConfigError("registry.endpoints must list etcd's HOST:PORT when registry.backend = \"etcd\"")
+        for ep in self.registry_endpoints:
+            if not _valid_hostport(ep):
+                raise ConfigError(f"registry.endpoints entries must be HOST:PORT, got {ep!r}")
+        if not re.fullmatch(r"/[A-Za-z0-9._/-]{0,200}", self.registry_prefix) or self.registry_prefix.endswith("/"):
+            raise ConfigError(f"registry.prefix must look like /kvxferd (no trailing /), got {self.registry_prefix!r}")
+        if not 1 <= self.registry_lease_ttl_s <= 3600:
+            raise ConfigError(f"registry.lease_ttl_s must be 1..3600 (whole seconds), got {self.registry_lease_ttl_s}")
+        if not 0 < self.registry_timeout_s <= 60:
+            raise ConfigError(f"registry.timeout_s must be in (0, 60], got {self.registry_timeout_s}")
+        if bool(self.registry_tls_cert) != bool(self.registry_tls_key):
+            raise ConfigError("registry.tls_cert and registry.tls_key must be given together")
+        for key in ("registry_tls_ca", "registry_tls_cert", "registry_tls_key"):
+            path = getattr(self, key)
+            if path and not Path(path).is_file():
+                raise ConfigError(f"{key.replace('_', '.', 1)}: no such file {path!r}")
 
     @property
     def tls_enabled(self) -> bool:
@@ -196,7 +235,7 @@ def _coerce(key: str, value: Any) -> Any:
                 return False
             raise ValueError(value)
         if typ == "int":
-            if isinstance(value, bool):
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError(value)
             return int(value)
         if typ == "float":
@@ -216,6 +255,25 @@ def _coerce(key: str, value: Any) -> Any:
         raise ConfigError(f"{key}: invalid value {value!r} (expected {typ})") from exc
 
 
+# TOML tables whose keys map to `<table>_<key>` fields (`[registry] backend` -> registry_backend).
+_SECTIONS = ("registry",)
+
+
+def _flatten_sections(data: Mapping[str, Any], path: str | os.PathLike[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in _SECTIONS and isinstance(value, dict):
+            for sub, subvalue in value.items():
+                if f"{key}_{sub}" not in _FIELDS:
+                    raise ConfigError(f"config file {path}: unknown key {sub!r} in [{key}]")
+                out[f"{key}_{sub}"] = subvalue
+        elif key not in _FIELDS:
+            raise ConfigError(f"config file {path}: unknown key {key!r}")
+        else:
+            out[key] = value
+    return out
+
+
 def load_config(
     path: str | os.PathLike[str] | None = None,
     env: Mapping[str, str] | None = None,
@@ -233,9 +291,7 @@ def load_config(
             raise ConfigError(f"config file not found: {path}") from exc
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path}: {exc}") from exc
-        for key, value in data.items():
-            if key not in _FIELDS:
-                raise ConfigError(f"config file {path}: unknown key {key!r}")
+        for key, value in _flatten_sections(data, path).items():
             values[key] = _coerce(key, value)
     for name, value in env.items():
         if not name.startswith("KVXFERD_") or name == "KVXFERD_CONFIG":

@@ -97,6 +97,8 @@ class EngineTable:
         self.on_engine_gone: Callable[[Engine, FailureCode, str], None] = lambda e, c, r: None
         # Answers "does an unfinished room still wait for chunks from this engine?" (drain).
         self.owes_chunks: Callable[[Engine], bool] = lambda e: False
+        # Told whenever the set of engines changes (the fleet registry republishes our groups).
+        self.on_change: Callable[[], None] = lambda: None
         # Runs a slow blocking call (CUDA IPC import, VRAM registration) off the event loop.
         self.run_blocking: Callable[..., Awaitable[Any]] = _run_inline
 
@@ -223,6 +225,7 @@ class EngineTable:
             "engine %s registered: %s group=%s tp=%d/%d ring=%s %d B", engine_id, spec.role.name.lower(),
             spec.group, p.tp_rank, p.tp_size, ring.kind, ring.size,
         )
+        self.on_change()
         return eng
 
     def keep_alive(self, engine_id: str) -> float:
@@ -254,6 +257,7 @@ class EngineTable:
         self.engines.pop(eng.id, None)
         self._closing.append(eng)
         self.maybe_close_ring(eng)
+        self.on_change()
 
     def maybe_close_ring(self, eng: Engine) -> None:
         """A ring goes back only when no transfer can touch it any more."""

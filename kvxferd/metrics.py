@@ -74,6 +74,20 @@ class Metrics:
         self.peer_messages = Counter(
             "kvxferd_peer_messages", "Messages on peer control streams", ["direction"], registry=r
         )
+        # Fleet registry (etcd): 1 while this daemon's record is published and the watch runs;
+        # 0 means lookups of groups not seen yet cannot succeed (transfers are unaffected).
+        # Labelled so that a daemon without a registry exports no series (and raises no alert).
+        self.registry_up = Gauge(
+            "kvxferd_registry_up", "Registry connected and this daemon registered", ["backend"], registry=r
+        )
+        self.registry_daemons = Gauge("kvxferd_registry_daemons", "Daemons in the local registry cache", registry=r)
+        self.registry_lookup = Histogram(
+            "kvxferd_registry_lookup_seconds", "Prefill group to daemon resolution", ["result"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.registry_reconnects = Counter(
+            "kvxferd_registry_reconnects", "Registry sessions re-established after a failure", registry=r
+        )
         for role in ("prefill", "decode"):
             self.engines.labels(role=role).set(0)
             for state in ("BOOTSTRAPPING", "WAITING_FOR_INPUT", "TRANSFERRING", "SUCCESS", "FAILED"):

@@ -28,6 +28,7 @@ from kvxferd.memory import HostPool, Watermark
 from kvxferd.metrics import Metrics
 from kvxferd.ports import BootstrapAnswer, BootstrapMsg, Identity, Link
 from kvxferd.receiver import RecvSide
+from kvxferd.registry import Registry
 from kvxferd.rooms import RecvRoom, RoomBase, SendRoom, landed_view
 from kvxferd.scheduler import Scheduler
 from kvxferd.sender import SendSide
@@ -68,6 +69,10 @@ class Node:
         self.recv.connect = connect
         self.peers_view = peers
         workers.expecting = lambda: self.recv.unfinished > 0
+
+    def set_registry(self, registry: Registry) -> None:
+        self.recv.registry = registry
+        self.engines.on_change = registry.groups_changed
 
     # ------------------------------------------------------------------ plumbing
 

@@ -274,6 +274,18 @@ class PeerManager:
             self._spawn(self._workers.run_blocking(self._transport.remove_remote, name), "remove remote")
         self._refresh()
 
+    def instance_gone(self, daemon_id: str, instance_id: str, reason: str) -> None:
+        """The fleet registry lost this instance's record (lease expired or revoked, or a new instance
+        replaced it): it is lost at once, unless it spoke to us within the last heartbeat interval;
+        then etcd, not the peer, is what failed (an outage outlived the lease), and the stream decides."""
+        h = self._by_id.get(daemon_id)
+        if h is None or not h.up or h.instance_id != instance_id or h.is_self:
+            return
+        if time.monotonic() - h.last_rx < self.config.heartbeat_interval_s:
+            logger.info("peer %s: %s, but it spoke to us just now; its stream decides", daemon_id, reason)
+            return
+        self.lost(h, f"registry: {reason}")
+
     def _refresh(self) -> None:
         up = sum(1 for h in self._by_id.values() if h.up)
         self._metrics.peers.labels(state="up").set(up)

@@ -17,13 +17,21 @@ from kvxferd.config import Config, _valid_hostport
 from kvxferd.credits import CreditLedger
 from kvxferd.domain import FailureCode, Role, RoomKey, RoomState, ZeroCopyTarget
 from kvxferd.engines import Engine, EngineTable
-from kvxferd.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from kvxferd.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    KvxferError,
+    NotFound,
+    PermissionDenied,
+)
 from kvxferd.events import EventHub, RoomClock
 from kvxferd.layout import part_bytes, plan
 from kvxferd.memory import Watermark
 from kvxferd.metrics import Metrics
 from kvxferd.notif import NO_CREDIT, Notif, decode_notif
 from kvxferd.ports import BootstrapAnswer, BootstrapMsg, Link
+from kvxferd.registry import NoRegistry, Registry
 from kvxferd.rooms import InSlot, ReaderState, RecvRoom, RoomBase
 from kvxferd.sender import MAX_CHUNK_ID, MAX_TOKENS, layouts_compatible
 
@@ -34,6 +42,7 @@ _NOT_FOUND = 5
 _BOOT_RETRY_MIN_S = 0.05
 _BOOT_RETRY_MAX_S = 1.0
 MAX_EARLY_NOTIFS = 4096
+RESOLVE_MARGIN_MIN_S, RESOLVE_MARGIN_MAX_S = 0.25, 1.0
 
 
 class RecvSide:
@@ -52,6 +61,7 @@ class RecvSide:
         # Rooms not finished yet: read by the notification poller thread to choose its pace.
         self.unfinished = 0
         self.connect: Callable[[str], Awaitable[Link]]  # set by the node: a peer with a live session
+        self.registry: Registry = NoRegistry()  # set by app when [registry] is on
         self._boot_waits: dict[tuple[RoomKey, int], asyncio.Future[BootstrapAnswer]] = {}
 
     # ------------------------------------------------------------------ expect and bootstrap
@@ -64,8 +74,10 @@ class RecvSide:
             self.engines.check_pages(eng, pages, num_tokens, "ExpectRoom")
         elif pages:
             raise InvalidArgument("pages are only for zero-copy engines")
-        if not _valid_hostport(prefill_address):
+        if prefill_address and not _valid_hostport(prefill_address):
             raise InvalidArgument("prefill_address must be HOST:PORT of the prefill daemon's peer service")
+        if not prefill_address and not self.registry.enabled:
+            raise InvalidArgument("prefill_address is required (HOST:PORT) unless a fleet registry is configured")
         if not prefill_group or len(prefill_group) > 128:
             raise InvalidArgument("prefill_group must name the prefill engines' group (at most 128 characters)")
         if not 1 <= num_tokens <= MAX_TOKENS:
@@ -91,7 +103,7 @@ class RecvSide:
         else:
             if room.finished:
                 raise FailedPrecondition(f"room {key} is already {room.state.name}")
-            if (room.prefill_address, room.prefill_group, room.num_tokens, room.decode_tp) != (
+            if ("" if room.by_group else room.prefill_address, room.prefill_group, room.num_tokens, room.decode_tp) != (
                 prefill_address, prefill_group, num_tokens, p.tp_size
             ):
                 raise InvalidArgument(f"room {key}: other readers expect a different prefill source or size")
@@ -114,7 +126,12 @@ class RecvSide:
             if rs is None:
                 return
             try:
+                if room.by_group:
+                    room.prefill_address = await self._resolve_prefill(room)
                 peer = await self.connect(room.prefill_address)
+            except KvxferError as exc:  # the registry could not place the group
+                self.fail(room, FailureCode.PEER_LOST, str(exc), push=False)
+                return
             except Exception as exc:
                 self.fail(room, FailureCode.PEER_LOST, f"bootstrap with {room.prefill_address} failed: {exc}",
                           push=False)
@@ -149,6 +166,7 @@ class RecvSide:
                 self._bootstrapped(room, reader, ans)
                 return
             if ans.code == _NOT_FOUND:
+                room.resolving = None  # a group addressed by name may have moved: look again
                 # The prefill engines may not have registered yet (start-up, restart, scaling): wait
                 # for them, with back-off, until just before the room's deadline, so the failure
                 # names what the room waited for.
@@ -164,6 +182,18 @@ class RecvSide:
             self.fail(room, FailureCode.MISMATCH, f"bootstrap with {room.prefill_address} refused: {ans.message}",
                       push=False)
             return
+
+    async def _resolve_prefill(self, room: RecvRoom) -> str:
+        """One registry lookup per room (every reader must reach the same daemon); it waits for the
+        group to register until just before the room's deadline, so the failure names it."""
+        if room.resolving is None:
+            margin = min(RESOLVE_MARGIN_MAX_S, max(RESOLVE_MARGIN_MIN_S, 0.2 * room.deadline_s))
+            until = room.created + room.deadline_s - margin
+            room.resolving = asyncio.ensure_future(self._resolved_address(room.prefill_group, until))
+        return await asyncio.shield(room.resolving)
+
+    async def _resolved_address(self, group: str, until: float) -> str:
+        return (await self.registry.resolve_group(group, "prefill", until)).address
 
     def bootstrap_reply(self, peer: Link, ans: BootstrapAnswer) -> None:
         fut = self._boot_waits.get((ans.room, ans.reader))

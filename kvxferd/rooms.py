@@ -185,6 +185,9 @@ class RecvRoom(RoomBase):
         super().__init__(key, deadline_s)
         self.prefill_address = prefill_address
         self.prefill_group = prefill_group
+        # No address given: the fleet registry resolves the group once for all readers.
+        self.by_group = not prefill_address
+        self.resolving: asyncio.Future[str] | None = None
         self.num_tokens = num_tokens
         self.decode_tp = decode_tp
         self.layout = layout
