@@ -3,7 +3,7 @@
 # small enough for the device's 64 MiB carry. Run here, from the repo root: bash bench/device/make_wheels.sh
 #   nixl_slim.tar.xz  nixl 1.5.1 + nixl-cu13 1.5.1 unpacked, keeping only what the UCX backend loads
 #                     (the wheel is 59 MiB: nixl_ep_cu13 and the storage plugins are dropped)
-#   grpcio, grpcio-health-checking, grpcio-reflection 1.85.1 and protobuf 7.36.2 wheels: our
+#   grpcio, grpcio-health-checking, grpcio-reflection 1.85.1, protobuf 7.36.2 and aetcd 1.0.0 wheels: our
 #                     generated stubs require them
 #   hf/               transformers 5.23.0 + tokenizers 0.23.3 (the versions CI uses) for
 #                     bench/device/gpu_pd_transformers.sh; the box's own transformers is older
@@ -12,7 +12,8 @@ DL=(python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 rm -rf .whl && mkdir -p .whl
-"${DL[@]}" -d .whl grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2
+"${DL[@]}" -d .whl grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2 \
+  aetcd==1.0.0
 tmp=$(mktemp -d)
 "${DL[@]}" -d "$tmp/dl" nixl==1.5.1 nixl-cu13==1.5.1
 mkdir "$tmp/site"
