@@ -13,10 +13,13 @@ its own process:
 * ``decode``: ``KvxferdConnector`` on the decode daemon; each prompt with the ``kv_transfer_params``
   the prefill output carries.
 
-Exit status 0 only when every prompt's decode tokens equal the reference's. ``--fault
-kill-prefill-daemon`` (for tests) stops the prefill daemon before the decode engine asks for the KV
-and kills it while the decode engine waits for it: every request must then end with vLLM's error
-finish reason (no hang), and the decode engine must still serve a plain request afterwards.
+Exit status 0 only when every prompt's decode tokens equal the reference's, every decode request
+loaded its whole prompt's KV through kvxferd, and the swap check passes (two prompts of one length
+decoded with each other's rooms do not give their own tokens: the KV received is what the decode
+continues from). ``--fault kill-prefill-daemon`` then also stops the prefill daemon before the
+decode engine asks for the KV and kills it while the decode engine waits for it: every request
+must end with vLLM's error finish reason (no hang), and the decode engine must still serve a plain
+request afterwards. Exit status 1: a check failed; 2: the run itself failed.
 """
 
 from __future__ import annotations
@@ -144,30 +147,49 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         n = args.new_tokens
         ref = engines["reference"].generate(prompts, [None] * len(prompts), n, args.timeout)
         engines["reference"].close()
-        t_prefill = time.monotonic()
         pre = engines["prefill"].generate(prompts, [{"do_remote_decode": True}] * len(prompts), 1, args.timeout)
         params = [o["kv_transfer_params"] for o in pre["outputs"]]
         if any(not p for p in params):
             raise RuntimeError(f"prefill returned no kv_transfer_params: {params}")
-        report: dict[str, Any] = {"engine_start_s": starts, "fault": args.fault, "prefill_wall_s": pre["wall_s"]}
-        if args.fault == "kill-prefill-daemon":
-            return report | fault_run(args, daemons, engines["decode"], prompts, params, n)
+        report: dict[str, Any] = {"engine_start_s": starts, "prefill_wall_s": pre["wall_s"]}
         dec = engines["decode"].generate(prompts, params, n, args.timeout)
-        # A pull-based connector (vLLM's NixlConnector) holds the prefill blocks until the decode
-        # has read them: at least from the prefill's end to the decode's loads, here.
-        report["pull_hold_lower_bound_ms"] = round((time.monotonic() - t_prefill - pre["wall_s"]) * 1e3, 1)
         per = []
         for i, (r, d, p) in enumerate(zip(ref["outputs"], dec["outputs"], params, strict=True)):
+            dp = d["kv_transfer_params"] or {}
+            loaded = dp.get("kvxfer_loaded_tokens")
             per.append({"prompt": i, "prompt_tokens": r["prompt_tokens"], "reference": r["tokens"],
                         "pd": d["tokens"], "match": r["tokens"] == d["tokens"], "finish_reason": d["finish_reason"],
-                        "prefill_block_hold_ms": p.get("kvxfer_prefill_block_hold_ms"), "room": p["kvxfer_room"]})
+                        "prefill_block_hold_ms": p.get("kvxfer_prefill_block_hold_ms"), "loaded_tokens": loaded,
+                        "decode_load_ms": dp.get("kvxfer_load_ms")})
         report.update(per_prompt=per, tokens_match=all(x["match"] for x in per), decode_wall_s=dec["wall_s"],
+                      all_loaded=all(x["loaded_tokens"] == x["prompt_tokens"] for x in per),
                       block_size=args.block_size, max_batched_tokens=args.max_batched_tokens)
+        report["swap_check"] = swap_check(args, engines, prompts, ref["outputs"])
+        report["ok"] = report["tokens_match"] and report["all_loaded"] and report["swap_check"]["kv_used"]
+        if args.fault == "kill-prefill-daemon":
+            again = engines["prefill"].generate(prompts, [{"do_remote_decode": True}] * len(prompts), 1, args.timeout)
+            fault = fault_run(args, daemons, engines["decode"], prompts, [o["kv_transfer_params"] for o in again["outputs"]], n)
+            report["fault"] = fault
+            report["ok"] = report["ok"] and fault["all_failed_cleanly"] and bool(fault["served_after"])
         return report
     finally:
         for e in engines.values():
             e.close()
         daemons.close()
+
+
+def swap_check(args: argparse.Namespace, engines: dict[str, Engine], prompts: list[str],
+               ref: list[dict[str, Any]]) -> dict[str, Any]:
+    """Two prompts of one length decoded with each other's rooms must NOT give their own tokens:
+    the decode engine really continues from the KV it received, it does not recompute the prompt."""
+    a, b = 1, len(prompts) - 1
+    if ref[a]["prompt_tokens"] != ref[b]["prompt_tokens"]:
+        raise RuntimeError("the swap check needs prompts 1 and -1 of one length")
+    pre = engines["prefill"].generate([prompts[a], prompts[b]], [{"do_remote_decode": True}] * 2, 1, args.timeout)
+    pa, pb = (o["kv_transfer_params"] for o in pre["outputs"])
+    dec = engines["decode"].generate([prompts[a], prompts[b]], [pb, pa], args.new_tokens, args.timeout)
+    got = [o["tokens"] for o in dec["outputs"]]
+    return {"prompts": [a, b], "tokens": got, "kv_used": got[0] != ref[a]["tokens"] and got[1] != ref[b]["tokens"]}
 
 
 def fault_run(args: argparse.Namespace, daemons: OwnDaemons, decode: Engine, prompts: list[str],
@@ -212,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.json:
         args.json.write_text(text)
-    ok = rep.get("all_failed_cleanly") if args.fault != "none" else rep.get("tokens_match")
+    ok = bool(rep.get("ok"))
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 

@@ -28,6 +28,9 @@ PROMPTS = (
     "while a daemon on every node moves the bytes",
     "rivers run to the sea " * 8,
     "a cat sleeps in the warm sun and the lazy dog jumps over the quick brown fox " * 5,
+    # The second prompt's words in reverse: as many tokens, other KV (the swap check needs both).
+    "bytes the moves node every on daemon a while time a at token one it from continue engines "
+    "decode and cache the compute engines prefill",
 )
 
 

@@ -93,6 +93,11 @@ class KvxferdConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         return KvxferdMetadata(self._scheduler.build_plan(scheduler_output))
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.loads_finished(set(connector_output.finished_recving or ()),
+                                           set(getattr(connector_output, "failed_recving", None) or ()))
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request)

@@ -17,6 +17,10 @@ P_GROUP = "kvxfer_prefill_group"
 P_TOKENS = "kvxfer_num_tokens"
 # Informational: how long the prefill engine held the request's KV blocks (allocation to free).
 P_HOLD_MS = "kvxfer_prefill_block_hold_ms"
+# Informational, on decode outputs: prompt tokens loaded through kvxferd (0: the load failed) and
+# how long the load took (blocks allocated to the scheduler hearing it finished).
+P_LOADED = "kvxfer_loaded_tokens"
+P_LOAD_MS = "kvxfer_load_ms"
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,8 @@ from kvxfer_client.vllm._config import (
     P_DO_REMOTE_PREFILL,
     P_GROUP,
     P_HOLD_MS,
+    P_LOAD_MS,
+    P_LOADED,
     P_ROOM,
     P_TOKENS,
     LoadSpec,
@@ -46,6 +48,14 @@ def daemon_peer_address(socket: str | None, timeout: float = 5.0) -> str:
     with grpc.insecure_channel(target(socket), options=CHANNEL_OPTIONS) as ch:
         status = engine_pb2_grpc.EngineStub(ch).GetStatus(engine_pb2.GetStatusRequest(), timeout=timeout)
     return str(status.peer_address)
+
+
+@dataclass
+class _Load:
+    tokens: int
+    started: float
+    ms: float = -1.0
+    failed: bool = False
 
 
 @dataclass
@@ -80,6 +90,7 @@ class ConnectorScheduler:
         self._sends: dict[str, _Send] = {}
         self._loads: list[LoadSpec] = []
         self._pending_loads: dict[str, int] = {}  # req id -> locally computed tokens at match time
+        self._loading: dict[str, _Load] = {}
         self._aborts: list[int] = []
         self._address = settings.prefill_address
         # Block hold times of finished prefill requests (ms), newest last; for metrics and tests.
@@ -109,8 +120,16 @@ class ConnectorScheduler:
             prefill_group=str(params[P_GROUP]), num_tokens=int(params[P_TOKENS]),
             block_ids=tuple(blocks.get_block_ids()[0]), skip_tokens=skip,
         ))
+        self._loading[rid] = _Load(num_external_tokens, time.monotonic())
         # Load once: if it fails, vLLM recomputes or fails the request, and must not load again.
         params[P_DO_REMOTE_PREFILL] = False
+
+    def loads_finished(self, finished: set[str], failed: set[str]) -> None:
+        now = time.monotonic()
+        for rid in finished:
+            ld = self._loading.get(rid)
+            if ld is not None:
+                ld.ms, ld.failed = (now - ld.started) * 1e3, rid in failed
 
     # -- every step ----------------------------------------------------------------------------
     def build_plan(self, so: Any) -> StepPlan:
@@ -150,6 +169,9 @@ class ConnectorScheduler:
 
     # -- prefill finish ------------------------------------------------------------------------
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        ld = self._loading.pop(request.request_id, None)
+        if ld is not None:
+            return False, {P_LOADED: 0 if ld.failed else ld.tokens, P_LOAD_MS: round(ld.ms, 3)}
         st = self._sends.pop(request.request_id, None)
         if st is None:
             return False, None
