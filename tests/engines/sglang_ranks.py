@@ -153,7 +153,7 @@ def decode_rank(socket: str, port: int, tp: int, rank: int, plans: list[RoomPlan
         for i, plan in enumerate(plans):
             recv = KvxferdKVReceiver(mgr, f"127.0.0.1:{port}", plan.room)
             recv.init(0)
-            assert recv.poll() == KVPoll.WaitingForInput, recv.poll()
+            assert _wait(recv, {KVPoll.WaitingForInput}) == KVPoll.WaitingForInput
             pages = [3 * p + 1 for p in range(-(-plan.tokens // PAGE))]
             recv.send_metadata(torch.tensor(pages, dtype=torch.int32), aux_index=i)
             end = _wait(recv, {KVPoll.Success})

@@ -69,13 +69,15 @@ def test_sglang_backend_pd(daemons: Any, prefill_tp: int, decode_tp: int) -> Non
                 proc.kill()
         boot.close()
     errors = [g[3] for g in got if g[3]]
-    assert not errors, errors[0]
+    assert not errors, "\n".join(f"{g[0]} {g[1]}: {g[2]} {g[3]}" for g in got)
     for role, rank, res, _ in got:
         rooms = res["rooms"] if role == "decode" else res
         assert rooms[910_001] == rooms[910_002] == rooms[910_004] == "Success", (role, rank, rooms)
         assert rooms[910_003].startswith("Failed"), (role, rank, rooms)
         if role == "decode":
-            assert "ABORTED" in rooms[910_003], rooms
+            # ABORTED; or, for a decode rank that expects after the abort, the refusal (the room is
+            # already FAILED). Either way a clean failure, never a hang.
+            assert "aborted by the prefill engine" in rooms[910_003] or "already FAILED" in rooms[910_003], rooms
             heads = len(sr.local_heads(decode_tp, rank))
             want = sum(pl.tokens for pl in PLANS if pl.abort_after < 0) * sr.LAYERS * 2 * heads * sr.HEAD_DIM * 2
             assert res["checked_bytes"] == want

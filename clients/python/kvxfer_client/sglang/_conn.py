@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import threading
+import time
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -44,6 +45,7 @@ from kvxfer_client.sglang._pages import PagedBuffers, dtype_bytes, wrap
 logger = logging.getLogger(__name__)
 
 RING_BYTES_ENV = "KVXFER_SGLANG_RING_BYTES"
+ROUTE_TIMEOUT_S = 30.0
 _POLL = {RoomState.BOOTSTRAPPING: KVPoll.Bootstrapping, RoomState.WAITING_FOR_INPUT: KVPoll.WaitingForInput,
          RoomState.TRANSFERRING: KVPoll.Transferring, RoomState.SUCCESS: KVPoll.Success,
          RoomState.FAILED: KVPoll.Failed}
@@ -235,6 +237,11 @@ class KvxferdKVSender(BaseKVSender):
         self._error = self._error or "aborted"
 
     def clear(self) -> None:
+        if self._error:
+            # A failed room stays on the daemon (FAILED is sticky) rather than being released: a
+            # decode rank that bootstraps late must see the failure, not a fresh room that no
+            # prefill rank will ever fill. The daemon drops it at the room deadline.
+            return
         try:
             self.tx.release(self.room)
         except KvxferError:
@@ -255,12 +262,22 @@ class KvxferdKVReceiver(BaseKVReceiver):
         self._error = ""
 
     def init(self, prefill_dp_rank: int = 0) -> None:
-        try:
-            with urllib.request.urlopen(f"http://{self.bootstrap_addr}/kvxferd/route", timeout=10) as r:
-                self.route = json.loads(r.read())
-            self.state = KVPoll.WaitingForInput
-        except Exception as exc:
-            self._fail(f"no kvxferd route from the prefill bootstrap server {self.bootstrap_addr}: {exc}")
+        # Off the scheduler thread: the prefill instance may not have registered its route yet.
+        threading.Thread(target=self._resolve, name="kvxfer-sglang-route", daemon=True).start()
+
+    def _resolve(self, timeout: float = ROUTE_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://{self.bootstrap_addr}/kvxferd/route", timeout=5) as r:
+                    self.route = json.loads(r.read())
+                self.state = KVPoll.WaitingForInput
+                return
+            except Exception as exc:
+                if time.monotonic() > deadline:
+                    self._fail(f"no kvxferd route from the prefill bootstrap server {self.bootstrap_addr}: {exc}")
+                    return
+            time.sleep(0.1)
 
     def send_metadata(self, kv_indices: Any, aux_index: int | None = None, state_indices: Any = None,
                       decode_prefix_len: int | None = None, destination: Any = None) -> None:
