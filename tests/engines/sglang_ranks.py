@@ -32,7 +32,7 @@ def value(room: int, layer: int, plane: int, token: int, head: int) -> torch.Ten
 
 
 def local_heads(tp: int, rank: int) -> list[int]:
-    if TOTAL_HEADS >= tp:
+    if tp <= TOTAL_HEADS:
         n = TOTAL_HEADS // tp
         return list(range(rank * n, (rank + 1) * n))
     return [rank * TOTAL_HEADS // tp]

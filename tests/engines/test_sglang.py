@@ -16,7 +16,6 @@ import importlib.util
 import multiprocessing as mp
 import queue
 import socket as pysocket
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -84,13 +83,13 @@ def test_sglang_backend_pd(daemons: Any, prefill_tp: int, decode_tp: int) -> Non
 
 
 def test_plugin_registers_backend_choice_and_hooks() -> None:
+    # The entry point sglang's load_plugins() discovers (installed package metadata).
+    from importlib.metadata import entry_points
+
     from sglang.srt.arg_groups.choices import DISAGG_TRANSFER_BACKEND_CHOICES
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     import kvxfer_client.sglang as plugin
-
-    # The entry point sglang's load_plugins() discovers (installed package metadata).
-    from importlib.metadata import entry_points
     eps = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "kvxferd"]
     assert [ep.value for ep in eps] == ["kvxfer_client.sglang:register"]
 

@@ -208,7 +208,7 @@ class KvxferdKVSender(BaseKVSender):
 
     def poll(self) -> int:
         if self._error:
-            return KVPoll.Failed  # type: ignore[no-any-return]
+            return KVPoll.Failed
         try:
             st = self.tx.poll(self.room)
         except KvxferError as exc:
@@ -216,12 +216,12 @@ class KvxferdKVSender(BaseKVSender):
                 # The daemon shows a room to a prefill rank once the rank has enqueued into it.
                 # Before that the rank may go ahead: chunks wait in the ring until the decode
                 # side bootstraps, so prefill never waits for the decode's handshake.
-                return KVPoll.WaitingForInput  # type: ignore[no-any-return]
+                return KVPoll.WaitingForInput
             self._error = str(exc)
-            return KVPoll.Failed  # type: ignore[no-any-return]
+            return KVPoll.Failed
         if st.state is RoomState.FAILED:
             self._error = f"{st.failure_code}: {st.failure_reason}"
-        return _POLL[st.state]  # type: ignore[no-any-return]
+        return _POLL[st.state]
 
     def failure_exception(self) -> None:
         raise KvxferdTransferError(self.room, self._error or "transfer failed")
@@ -326,7 +326,7 @@ class KvxferdKVReceiver(BaseKVReceiver):
         self.state = KVPoll.Failed
 
     def poll(self) -> int:
-        return self.state  # type: ignore[no-any-return]
+        return self.state
 
     def failure_exception(self) -> None:
         raise KvxferdTransferError(self.room, self._error or "transfer failed")
