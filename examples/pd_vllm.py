@@ -189,7 +189,10 @@ def swap_check(args: argparse.Namespace, engines: dict[str, Engine], prompts: li
     pa, pb = (o["kv_transfer_params"] for o in pre["outputs"])
     dec = engines["decode"].generate([prompts[a], prompts[b]], [pb, pa], args.new_tokens, args.timeout)
     got = [o["tokens"] for o in dec["outputs"]]
-    return {"prompts": [a, b], "tokens": got, "kv_used": got[0] != ref[a]["tokens"] and got[1] != ref[b]["tokens"]}
+    # Loads between daemons that already know each other (the first batch also pays the peer handshake).
+    load_ms = [(o["kv_transfer_params"] or {}).get("kvxfer_load_ms") for o in dec["outputs"]]
+    return {"prompts": [a, b], "tokens": got, "kv_used": got[0] != ref[a]["tokens"] and got[1] != ref[b]["tokens"],
+            "decode_load_ms": load_ms, "prefill_block_hold_ms": [p.get("kvxfer_prefill_block_hold_ms") for p in (pa, pb)]}
 
 
 def fault_run(args: argparse.Namespace, daemons: OwnDaemons, decode: Engine, prompts: list[str],

@@ -140,8 +140,10 @@ class KvxferdKVManager(BaseKVManager):
             self._stop.wait(0.2)
 
     def _load_loop(self) -> None:
+        active: list[KvxferdKVReceiver] = []
         while not self._stop.is_set():
-            self._wake.wait(0.5)
+            # Events wake the loop; a short sweep while rooms are active covers any missed one.
+            self._wake.wait(0.02 if active else 1.0)
             self._wake.clear()
             with self._lock:
                 active = list(self._receivers.values())

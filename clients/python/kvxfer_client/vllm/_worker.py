@@ -27,8 +27,10 @@ from kvxfer_client.vllm._config import LoadSpec, SendChunk, Settings, StepPlan
 logger = logging.getLogger(__name__)
 
 # With no event for this long, the watcher polls every active room itself (a missed event or a
-# broken stream must never leave a request waiting).
-_SWEEP_S = 0.5
+# broken stream must never leave a request waiting). Short while loads are active: measured,
+# room events alone left loads waiting for the sweep (see the report's load times).
+_SWEEP_ACTIVE_S = 0.02
+_SWEEP_IDLE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -166,8 +168,9 @@ class ConnectorWorker:
         assert rx is not None
         events = threading.Thread(target=self._event_loop, name="kvxfer-vllm-events", daemon=True)
         events.start()
+        active: list[_Load] = []
         while not self._stop.is_set():
-            self._wake.wait(_SWEEP_S)
+            self._wake.wait(_SWEEP_ACTIVE_S if active else _SWEEP_IDLE_S)
             self._wake.clear()
             with self._lock:
                 active = [ld for ld in self._loads.values() if not ld.finished]
