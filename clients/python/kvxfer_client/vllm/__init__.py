@@ -1,0 +1,163 @@
+"""vLLM KV connector over kvxferd: prefill/decode disaggregation with a config line.
+
+```
+--kv-transfer-config '{"kv_connector": "KvxferdConnector", "kv_connector_module_path": "kvxfer_client.vllm",
+                       "kv_role": "kv_both", "kv_connector_extra_config": {"socket": "/run/kvxferd/kvxferd.sock"}}'
+```
+
+A proxy sends the request to the prefill instance with ``kv_transfer_params = {"do_remote_decode":
+true}`` and ``max_tokens = 1``, then sends it to the decode instance with the ``kv_transfer_params``
+the prefill output carries (room, prefill daemon address, prefill group, token count). Settings
+(``kv_connector_extra_config``): ``socket``, ``group``, ``ring_bytes``, ``max_chunk_tokens``,
+``deadline_ms``, ``acquire_timeout_s``, ``prefill_address`` (see :class:`Settings`).
+
+Needs vLLM (``pip install 'kvxferd[vllm]'``); importing ``kvxfer_client`` itself never imports vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from kvxfer_client.vllm import _paged
+from kvxfer_client.vllm._config import Settings, StepPlan
+from kvxfer_client.vllm._scheduler import ConnectorScheduler
+from kvxfer_client.vllm._worker import CacheShape, ConnectorWorker
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["KvxferdConnector", "KvxferdMetadata", "Settings"]
+
+
+def _check_cpu_layout(attn: Any, dtype: Any, block_size: int, head_size: int) -> None:
+    """Writes known K/V with the CPU backend's own cache op and reads them back through our views.
+
+    The op's in-block layout depends on the ISA it picks (vec, vec16, amx, ...); a layout this
+    connector does not read correctly must stop the engine at start, never corrupt a transfer.
+    """
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = getattr(attn, "isa", None) or _get_attn_isa(dtype, block_size, head_size, "auto")
+    tokens = block_size + 3  # a full block and part of the next
+    scratch = torch.zeros(2, 1, block_size, 2 * head_size, dtype=dtype)
+    k_cache, v_cache = scratch.view(2, 1, 2 * block_size, head_size).chunk(2, dim=2)
+    # Small integers: exact in every float dtype the backend takes.
+    key = (torch.arange(tokens * head_size) % 251 + 1).to(dtype).view(tokens, 1, head_size)
+    value = -key
+    ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, torch.arange(tokens), isa,
+                                   k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    planes = _paged.kv_planes(scratch, "CPU_ATTN", head_size)
+    blocks, offsets = _paged.token_index([0, 1], 0, 0, tokens, block_size, block_size, scratch.device)
+    if not (torch.equal(planes.k[blocks, :, offsets], key) and torch.equal(planes.v[blocks, :, offsets], value)):
+        raise NotImplementedError(f"CPU attention ISA {isa!r} lays out K/V in a way KvxferdConnector does not read")
+
+
+class KvxferdMetadata(KVConnectorMetadata):
+    """One step's plan, sent from the scheduler to every worker."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+class KvxferdConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        self.settings = Settings.from_extra(dict(ktc.kv_connector_extra_config or {}), str(ktc.engine_id))
+        self._produce = bool(ktc.is_kv_producer)
+        self._consume = bool(ktc.is_kv_consumer)
+        self._scheduler: ConnectorScheduler | None = None
+        self._worker: ConnectorWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = ConnectorScheduler(self.settings, int(vllm_config.cache_config.block_size))
+
+    # ---------------------------------------------------------------- scheduler side
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvxferdMetadata:
+        assert self._scheduler is not None
+        return KvxferdMetadata(self._scheduler.build_plan(scheduler_output))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.loads_finished(set(connector_output.finished_recving or ()),
+                                           set(getattr(connector_output, "failed_recving", None) or ()))
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request)
+
+    # ---------------------------------------------------------------- worker side
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        from vllm.distributed.parallel_state import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        cfg = self._vllm_config
+        layers = cfg.compilation_config.static_forward_context
+        names = list(kv_caches)
+        first = kv_caches[names[0]]
+        planes = []
+        for name in names:
+            attn = layers[name]
+            backend = attn.get_attn_backend().get_name()
+            if backend in _paged.PLANE_MAJOR_BACKENDS and name == names[0]:
+                _check_cpu_layout(attn, first.dtype, int(first.shape[2]), int(attn.head_size))
+            planes.append(_paged.kv_planes(kv_caches[name], backend, int(attn.head_size)))
+        shape = CacheShape(
+            layers=names, planes=planes, total_kv_heads=int(cfg.model_config.get_total_num_kv_heads()),
+            local_heads=int(first.shape[1]), head_size=int(layers[names[0]].head_size),
+            block_size=int(cfg.cache_config.block_size), kernel_block_size=int(first.shape[2]), dtype=first.dtype,
+        )
+        self._worker = ConnectorWorker(
+            self.settings, shape, get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank(),
+            produce=self._produce, consume=self._consume,
+        )
+
+    def _plan(self) -> StepPlan:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvxferdMetadata)
+        return meta.plan
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self._worker is not None:
+            self._worker.start_loads(self._plan())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Loads are asynchronous: a request runs only after its whole load has finished.
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        # One slot holds every layer of a chunk, so the gather runs once, after the last layer.
+        return
+
+    def wait_for_save(self) -> None:
+        if self._worker is not None and self.has_connector_metadata():
+            self._worker.save(self._plan())
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        done, failed = self._worker.transfer_results(finished_req_ids)
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None

@@ -1,0 +1,193 @@
+"""Scheduler side of the vLLM connector: which tokens to send or load each step, and the params out.
+
+Prefill (a request with ``kv_transfer_params = {"do_remote_decode": true}``): every scheduler step
+that computes some of its prompt tokens becomes one chunk (or several, with ``max_chunk_tokens``)
+that the workers gather into a kvxferd ring slot at the end of that step. When the request
+finishes, every prompt token already sits in a slot, so its blocks are freed at once and
+``request_finished`` returns the params a decode engine needs.
+
+Decode (``do_remote_prefill`` plus the params above): the whole prompt is reported as an external,
+asynchronous hit; the workers expect the room and scatter chunks into the allocated blocks as they
+land. vLLM recomputes the last prompt token itself to sample the first output token.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from kvxfer_client._common import CHANNEL_OPTIONS, target
+from kvxfer_client._pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc
+from kvxfer_client.vllm._config import (
+    P_ADDRESS,
+    P_DO_REMOTE_DECODE,
+    P_DO_REMOTE_PREFILL,
+    P_GROUP,
+    P_HOLD_MS,
+    P_LOAD_MS,
+    P_LOADED,
+    P_ROOM,
+    P_TOKENS,
+    LoadSpec,
+    SendChunk,
+    Settings,
+    StepPlan,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def daemon_peer_address(socket: str | None, timeout: float = 5.0) -> str:
+    """The address other daemons reach this node's daemon at (what a decode engine's ExpectRoom names)."""
+    with grpc.insecure_channel(target(socket), options=CHANNEL_OPTIONS) as ch:
+        status = engine_pb2_grpc.EngineStub(ch).GetStatus(engine_pb2.GetStatusRequest(), timeout=timeout)
+    return str(status.peer_address)
+
+
+@dataclass
+class _Load:
+    tokens: int
+    started: float
+    ms: float = -1.0
+    failed: bool = False
+
+
+@dataclass
+class _Send:
+    room: int
+    prompt_len: int
+    allocated_at: float
+    blocks: list[int] = field(default_factory=list)
+    next_token: int = 0
+    next_chunk: int = 0
+
+
+class RoomIds:
+    """Room ids unique to this engine instance: a random 62-bit start, then a counter."""
+
+    def __init__(self) -> None:
+        self._base = secrets.randbits(62)
+        self._n = 0
+        self._lock = threading.Lock()
+
+    def next(self) -> int:
+        with self._lock:
+            self._n += 1
+            return (self._base + self._n) % (1 << 63)
+
+
+class ConnectorScheduler:
+    def __init__(self, settings: Settings, block_size: int) -> None:
+        self.settings = settings
+        self.block_size = block_size
+        self._rooms = RoomIds()
+        self._sends: dict[str, _Send] = {}
+        self._loads: list[LoadSpec] = []
+        self._pending_loads: dict[str, int] = {}  # req id -> locally computed tokens at match time
+        self._loading: dict[str, _Load] = {}
+        self._aborts: list[int] = []
+        self._address = settings.prefill_address
+        # Block hold times of finished prefill requests (ms), newest last; for metrics and tests.
+        self.hold_ms: list[float] = []
+
+    # -- decode --------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params or {}
+        if not params.get(P_DO_REMOTE_PREFILL) or P_ROOM not in params:
+            return 0, False
+        count = int(params[P_TOKENS]) - num_computed_tokens
+        if count <= 0:
+            return 0, False
+        self._pending_loads[request.request_id] = num_computed_tokens
+        return count, True
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params or {}
+        rid = request.request_id
+        if params.get(P_DO_REMOTE_DECODE) and rid not in self._sends:
+            self._sends[rid] = _Send(self._rooms.next(), len(request.prompt_token_ids or ()), time.monotonic())
+        skip = self._pending_loads.pop(rid, None)
+        if skip is None or num_external_tokens <= 0:
+            return
+        self._loads.append(LoadSpec(
+            req_id=rid, room=int(params[P_ROOM]), prefill_address=str(params[P_ADDRESS]),
+            prefill_group=str(params[P_GROUP]), num_tokens=int(params[P_TOKENS]),
+            block_ids=tuple(blocks.get_block_ids()[0]), skip_tokens=skip,
+        ))
+        self._loading[rid] = _Load(num_external_tokens, time.monotonic())
+        # Load once: if it fails, vLLM recomputes or fails the request, and must not load again.
+        params[P_DO_REMOTE_PREFILL] = False
+
+    def loads_finished(self, finished: set[str], failed: set[str]) -> None:
+        now = time.monotonic()
+        for rid in finished:
+            ld = self._loading.get(rid)
+            if ld is not None:
+                ld.ms, ld.failed = (now - ld.started) * 1e3, rid in failed
+
+    # -- every step ----------------------------------------------------------------------------
+    def build_plan(self, so: Any) -> StepPlan:
+        plan = StepPlan(loads=self._loads, aborts=self._aborts)
+        self._loads, self._aborts = [], []
+        computed: dict[str, int] = {}
+        for new in so.scheduled_new_reqs:
+            st = self._sends.get(new.req_id)
+            if st is not None:
+                st.blocks = list(new.block_ids[0])
+                computed[new.req_id] = new.num_computed_tokens
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            st = self._sends.get(rid)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                # A resumed (preempted) request gets its whole block list again.
+                st.blocks = list(new_ids[0]) if rid in cached.resumed_req_ids else st.blocks + list(new_ids[0])
+            computed[rid] = cached.num_computed_tokens[i]
+        for rid, done in computed.items():
+            st = self._sends[rid]
+            end = min(done + so.num_scheduled_tokens.get(rid, 0), st.prompt_len)
+            step = self.settings.max_chunk_tokens or max(1, end - st.next_token)
+            while st.next_token < end:
+                stop = min(end, st.next_token + step)
+                first = st.next_token // self.block_size
+                last_block = (stop - 1) // self.block_size
+                plan.sends.append(SendChunk(
+                    req_id=rid, room=st.room, chunk_id=st.next_chunk, start=st.next_token, end=stop,
+                    last=stop == st.prompt_len, block_ids=tuple(st.blocks[first : last_block + 1]),
+                    first_block=first,
+                ))
+                st.next_token, st.next_chunk = stop, st.next_chunk + 1
+        return plan
+
+    # -- prefill finish ------------------------------------------------------------------------
+    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        ld = self._loading.pop(request.request_id, None)
+        if ld is not None:
+            return False, {P_LOADED: 0 if ld.failed else ld.tokens, P_LOAD_MS: round(ld.ms, 3)}
+        st = self._sends.pop(request.request_id, None)
+        if st is None:
+            return False, None
+        if st.next_token < st.prompt_len or st.prompt_len == 0:
+            # Finished (aborted, or stopped) before every prompt token was computed: no decode
+            # will be pointed at this room, so end it rather than leave slots held to its deadline.
+            if st.next_chunk:
+                self._aborts.append(st.room)
+            return False, None
+        held = (time.monotonic() - st.allocated_at) * 1e3
+        self.hold_ms.append(held)
+        logger.debug("request %s: prefill blocks held %.1f ms", request.request_id, held)
+        if not self._address:
+            self._address = daemon_peer_address(self.settings.socket)
+        # False: the KV is in the daemon's ring already, vLLM may free the blocks now.
+        return False, {
+            P_DO_REMOTE_PREFILL: True, P_DO_REMOTE_DECODE: False, P_ROOM: st.room, P_ADDRESS: self._address,
+            P_GROUP: self.settings.prefill_group, P_TOKENS: st.prompt_len, P_HOLD_MS: round(held, 3),
+        }

@@ -1,0 +1,126 @@
+"""The kvxferd transfer backend for sglang (kvxfer_client.sglang), driven as sglang's scheduler
+drives a backend: real sglang base classes, KVPoll and KVArgs over CPU tensors laid out as sglang's
+token-to-KV pool, prefill and decode ranks in separate processes on two real daemons, with the
+backend's own bootstrap server. Covers chunked sends (several send() calls per room), a prefill
+abort mid-room (the decode side fails with the reason, never hangs), heterogeneous TP both ways
+(the daemon slices heads), and every landed byte and aux item checked.
+
+sglang as an engine (its scheduler, model runner and kernels) needs CUDA and a torchvision that
+loads with the CUDA torch it pins; on these CPU machines only its disaggregation base classes
+import, so that is what these tests drive, plus the plugin registration through sglang's real
+hook registry."""
+
+from __future__ import annotations
+
+import importlib.util
+import multiprocessing as mp
+import queue
+import socket as pysocket
+from typing import Any
+
+import pytest
+
+from tests.engines import sglang_ranks as sr
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
+                                reason="needs sglang (make install-test installs it)")
+
+PLANS = [
+    sr.RoomPlan(room=910_001, tokens=45, chunk_pages=(4, 4, 4)),  # 12 pages, three chunks, last page partial
+    sr.RoomPlan(room=910_002, tokens=8, chunk_pages=(2,)),
+    sr.RoomPlan(room=910_003, tokens=24, chunk_pages=(2, 2, 2), abort_after=1),
+    sr.RoomPlan(room=910_004, tokens=17, chunk_pages=(3, 2)),
+]
+
+
+def _free_port() -> int:
+    with pysocket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+def test_sglang_backend_pd(daemons: Any, prefill_tp: int, decode_tp: int) -> None:
+    from kvxfer_client.sglang._conn import KvxferdKVBootstrapServer
+
+    p, d = daemons("sgl-p"), daemons("sgl-d")
+    port = _free_port()
+    boot = KvxferdKVBootstrapServer("127.0.0.1", port)
+    ctx = mp.get_context("fork")
+    out: Any = ctx.Queue()
+    procs = [ctx.Process(target=sr.prefill_rank, args=(p.socket, port, prefill_tp, r, PLANS, out))
+             for r in range(prefill_tp)]
+    procs += [ctx.Process(target=sr.decode_rank, args=(d.socket, port, decode_tp, r, PLANS, out))
+              for r in range(decode_tp)]
+    try:
+        for proc in procs:
+            proc.start()
+        got: list[tuple[str, int, Any, str | None]] = []
+        while len(got) < len(procs):
+            try:
+                got.append(out.get(timeout=120))
+            except queue.Empty:
+                pytest.fail(f"ranks did not finish; got {got}")
+    finally:
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+        boot.close()
+    errors = [g[3] for g in got if g[3]]
+    assert not errors, "\n".join(f"{g[0]} {g[1]}: {g[2]} {g[3]}" for g in got)
+    for role, rank, res, _ in got:
+        rooms = res["rooms"] if role == "decode" else res
+        assert rooms[910_001] == rooms[910_002] == rooms[910_004] == "Success", (role, rank, rooms)
+        assert rooms[910_003].startswith("Failed"), (role, rank, rooms)
+        if role == "decode":
+            # ABORTED; or, for a decode rank that expects after the abort, the refusal (the room is
+            # already FAILED). Either way a clean failure, never a hang.
+            assert "aborted by the prefill engine" in rooms[910_003] or "already FAILED" in rooms[910_003], rooms
+            heads = len(sr.local_heads(decode_tp, rank))
+            want = sum(pl.tokens for pl in PLANS if pl.abort_after < 0) * sr.LAYERS * 2 * heads * sr.HEAD_DIM * 2
+            assert res["checked_bytes"] == want
+
+
+def test_plugin_registers_backend_choice_and_hooks() -> None:
+    # The entry point sglang's load_plugins() discovers (installed package metadata).
+    from importlib.metadata import entry_points
+
+    from sglang.srt.arg_groups.choices import DISAGG_TRANSFER_BACKEND_CHOICES
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    import kvxfer_client.sglang as plugin
+    eps = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "kvxferd"]
+    assert [ep.value for ep in eps] == ["kvxfer_client.sglang:register"]
+
+    try:
+        plugin.register()
+    except ModuleNotFoundError as exc:
+        # sglang.srt.disaggregation.utils imports sglang's model configs, which import torchvision;
+        # the CPU venv has none that loads (see the module docstring).
+        pytest.skip(f"sglang's disaggregation utils do not import here: {exc}")
+    assert "kvxferd" in DISAGG_TRANSFER_BACKEND_CHOICES
+    assert any(t.endswith("get_kv_class") for t in HookRegistry._hooks)
+
+
+def test_hook_routes_only_kvxferd_and_enum_gains_member() -> None:
+    import enum
+
+    import kvxfer_client.sglang as plugin
+    from kvxfer_client.sglang._conn import KvxferdKVManager, KvxferdKVReceiver
+
+    class Backend(enum.Enum):
+        NIXL = "nixl"
+
+    class Kind(enum.Enum):
+        MANAGER = "manager"
+        RECEIVER = "receiver"
+
+    extended: Any = plugin.extended_transfer_backend(Backend)
+    assert extended("kvxferd").name == "KVXFERD" and extended("nixl").name == "NIXL"
+    calls: list[Any] = []
+    assert plugin.get_kv_class_hook(lambda *a: calls.append(a), extended("kvxferd"), Kind.MANAGER) is KvxferdKVManager
+    assert plugin.get_kv_class_hook(lambda *a: calls.append(a), extended("kvxferd"), Kind.RECEIVER) is KvxferdKVReceiver
+    assert not calls
+    plugin.get_kv_class_hook(lambda *a: calls.append(a), extended("nixl"), Kind.MANAGER)
+    assert len(calls) == 1
