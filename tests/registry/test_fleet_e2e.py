@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 import urllib.request
 from typing import Any
@@ -195,7 +196,9 @@ def test_etcd_down_mid_run_then_back(etcd: Etcd, daemons: Any, capsys: Any) -> N
 
 
 def test_lease_expiry_fails_rooms_before_heartbeats_would(etcd: Etcd, daemons: Any) -> None:
-    """Heartbeats are set to give up only after 10 s: the lease (2 s) is what fails the room."""
+    """Heartbeats are set to give up only after 10 s, and the prefill daemon is frozen (SIGSTOP: its
+    connections stay open, so its control stream does not break): the lease (2 s) is what fails the
+    room. (A kill -9 breaks the stream, which fails the room at once, before any lease could.)"""
     slow_beats = ["--set", "heartbeat_interval_s=1", "--set", "heartbeat_misses=10"]
     pre = daemons("pre", *registry_args(etcd, ttl=2), *slow_beats)
     dec = daemons("dec", *registry_args(etcd, ttl=2), *slow_beats)
@@ -203,11 +206,12 @@ def test_lease_expiry_fails_rooms_before_heartbeats_would(etcd: Etcd, daemons: A
     rx = DecodeReceiver(socket=dec.socket, group="dec", layout=LAYOUT, ring_bytes=8 << 20)
     rx.expect(1, "", "p", TOKENS)
     wait_for(lambda: rx.poll(1).state is RoomState.WAITING_FOR_INPUT, 10, "bootstrapped")
-    pre.kill()
+    pre.proc.send_signal(signal.SIGSTOP)
     took = wait_for(lambda: rx.poll(1).state is RoomState.FAILED, 9, "room failed by the lease")
     st = rx.poll(1)
     assert st.failure_code == "PEER_LOST" and "registry" in st.failure_reason, st
     assert took < 2 + 2.0, f"{took:.1f} s"
+    pre.kill()
     tx.close(unregister=False)
     rx.close()
 
