@@ -35,6 +35,7 @@ run: install
 lint: install-test
 	$(PY) -m ruff check kvxferd clients tests scripts examples
 	$(PY) -m mypy
+	$(VENV)/bin/lint-imports
 
 test: install-test lint
 	KVX_VALIDATE_DEPLOY=1 TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)

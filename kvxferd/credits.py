@@ -78,12 +78,12 @@ class CreditLedger:
 
     # -- granting
 
-    def ensure(self, peer: Link, eng: Engine) -> None:
-        """Before a bootstrap: a peer holding no usable credit on the reader's ring gets one, so
-        its first chunk needs no request."""
+    def ensure(self, peer: Link, eng: Engine, room_bytes: int) -> None:
+        """Before a bootstrap: a peer holding no usable credit on the reader's ring gets one, sized
+        for the whole room if the ring allows, so its first chunks need no request."""
         if any(g.peer is peer and g.engine is eng and not g.revoked for g in self.grants.values()):
             return
-        self._grant(peer, eng, 0)
+        self._grant(peer, eng, 0, room_bytes)
 
     def request(self, peer: Link, eng: Engine, nbytes: int) -> None:
         if nbytes > eng.ring.size:
@@ -98,15 +98,13 @@ class CreditLedger:
         for holder in {g.peer for g in self.grants.values() if g.engine is eng and not g.revoked and g.peer.up}:
             holder.send_reclaim(eng.id)
 
-    def _grant(self, peer: Link, eng: Engine, nbytes: int) -> bool:
+    def _grant(self, peer: Link, eng: Engine, nbytes: int, hint: int = 0) -> bool:
         alloc = eng.ring.alloc
-        largest = alloc.watermark().largest_free
-        others = any(g.engine is eng and g.peer is not peer and not g.revoked for g in self.grants.values()) or any(
-            p is not peer for p, _ in self._waiting.get(eng.id, ()))
-        # Alone on this ring, a peer gets all the free space in one window: fewer messages, and no
-        # fragments too small for its next chunk. Shared, windows are ring/split (or one chunk).
-        want = largest if not others else max(nbytes, eng.ring.size // self._split, 1)
-        size = min(want, largest)
+        # A window is at least ring/split (few messages) and at least the chunk (or, ahead of a
+        # bootstrap, the room) it is for, so a chunk never waits for space that exists only in
+        # pieces; never more than what is free, so peers sharing a ring each get some.
+        want = max(nbytes, hint, eng.ring.size // self._split, 1)
+        size = min(want, alloc.watermark().largest_free)
         if size < max(nbytes, 1) or eng.closing:
             return False
         off = alloc.alloc(size)

@@ -147,7 +147,7 @@ class RecvSide:
                 ring = rs.engine.ring
                 target = ZeroCopyTarget(ring.base_addr, rs.engine.pool_slots, ring.mem, ring.device, rs.pages)
             else:
-                self.ledger.ensure(peer, rs.engine)
+                self.ledger.ensure(peer, rs.engine, part_bytes(room.layout, room.decode_tp, reader, room.num_tokens or 1))
             fut: asyncio.Future[BootstrapAnswer] = asyncio.get_running_loop().create_future()
             self._boot_waits[(room.key, reader)] = fut
             peer.send_bootstrap(BootstrapMsg(
