@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
-from kvxferd.domain import RoomEvent
+from kvxferd.domain import RoomEvent, RoomState
 from kvxferd.engines import Engine, EngineTable
+from kvxferd.metrics import Metrics
 from kvxferd.rooms import InSlot, ReaderState, RecvRoom, RoomBase, SendRoom, landed_view
 
 logger = logging.getLogger(__name__)
@@ -47,6 +49,17 @@ class RoomClock:
             if h is not None:
                 h.cancel()
         room.deadline_handle = room.gc_handle = None
+
+
+def deadline_reason(room: RoomBase) -> str:
+    return f"deadline passed after {time.monotonic() - room.created:.1f} s in state {room.state.name}"
+
+
+def count_finished(metrics: Metrics, room: RoomBase) -> None:
+    """A room reached SUCCESS or FAILED: counted once, by role and state, with its duration."""
+    metrics.rooms_finished.labels(role=room.role, state=room.state.name).inc()
+    if room.state is RoomState.SUCCESS:
+        metrics.room_duration.labels(role=room.role).observe(time.monotonic() - room.created)
 
 
 class EventHub:

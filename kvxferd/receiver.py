@@ -25,7 +25,7 @@ from kvxferd.errors import (
     NotFound,
     PermissionDenied,
 )
-from kvxferd.events import EventHub, RoomClock
+from kvxferd.events import EventHub, RoomClock, count_finished, deadline_reason
 from kvxferd.layout import part_bytes, plan
 from kvxferd.memory import Watermark
 from kvxferd.metrics import Metrics
@@ -336,7 +336,7 @@ class RecvSide:
         if all(r.complete for r in room.readers.values()):
             room.advance(RoomState.SUCCESS)
             self.unfinished -= 1
-            self._finish_metrics(room)
+            count_finished(self.metrics, room)
             logger.debug("room %s: decode side SUCCESS", room.key)
             self.hub.recv_state(room, aux=room.aux)
             self.refresh()
@@ -397,7 +397,7 @@ class RecvSide:
         self.unfinished -= 1
         logger.warning("room %s: decode side FAILED (%s): %s", room.key, code.name, reason)
         self.metrics.room_failures.labels(reason=code.name).inc()
-        self._finish_metrics(room)
+        count_finished(self.metrics, room)
         for (key, _), fut in list(self._boot_waits.items()):
             if key == room.key and not fut.done():
                 fut.cancel()
@@ -411,8 +411,7 @@ class RecvSide:
     def _deadline(self, room: RoomBase) -> None:
         assert isinstance(room, RecvRoom)
         if not room.finished:
-            self.fail(room, FailureCode.DEADLINE,
-                      f"deadline passed after {time.monotonic() - room.created:.1f} s in state {room.state.name}")
+            self.fail(room, FailureCode.DEADLINE, deadline_reason(room))
 
     def _gc(self, room: RoomBase) -> None:
         assert isinstance(room, RecvRoom)
@@ -428,10 +427,6 @@ class RecvSide:
         self._release_all(room)
         self.clock.cancel(room)
 
-    def _finish_metrics(self, room: RecvRoom) -> None:
-        self.metrics.rooms_finished.labels(role="decode", state=room.state.name).inc()
-        if room.state is RoomState.SUCCESS:
-            self.metrics.room_duration.labels(role="decode").observe(time.monotonic() - room.created)
 
     def release(self, eng: Engine, room: RecvRoom) -> None:
         rs = room.readers[eng.rank]

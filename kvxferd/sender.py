@@ -14,7 +14,7 @@ from kvxferd.config import Config
 from kvxferd.domain import ChunkSpec, FailureCode, Role, RoomKey, RoomState, ZeroCopyTarget
 from kvxferd.engines import Engine, EngineTable
 from kvxferd.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from kvxferd.events import EventHub, RoomClock
+from kvxferd.events import EventHub, RoomClock, count_finished, deadline_reason
 from kvxferd.layout import KVLayout, part_bytes, plan, rank_heads
 from kvxferd.metrics import Metrics
 from kvxferd.ports import Link
@@ -281,7 +281,7 @@ class SendSide:
             return
         room.acks_pending.discard(reader)
         if room.complete_sent and not room.acks_pending and room.advance(RoomState.SUCCESS):
-            self._finish_metrics(room)
+            count_finished(self.metrics, room)
             logger.debug("room %s: prefill side SUCCESS", room.key)
             self.hub.send_state(room)
             self.clock.arm_gc(room, self._gc)
@@ -294,7 +294,7 @@ class SendSide:
             return
         logger.warning("room %s: prefill side FAILED (%s): %s", room.key, code.name, reason)
         self.metrics.room_failures.labels(reason=code.name).inc()
-        self._finish_metrics(room)
+        count_finished(self.metrics, room)
         self.scheduler.room_failed(room)
         for w in room.writers.values():
             for c in w.chunks.values():
@@ -310,8 +310,7 @@ class SendSide:
     def _deadline(self, room: RoomBase) -> None:
         assert isinstance(room, SendRoom)
         if not room.finished:
-            self.fail(room, FailureCode.DEADLINE,
-                      f"deadline passed after {time.monotonic() - room.created:.1f} s in state {room.state.name}")
+            self.fail(room, FailureCode.DEADLINE, deadline_reason(room))
 
     def _gc(self, room: RoomBase) -> None:
         assert isinstance(room, SendRoom)
@@ -328,10 +327,6 @@ class SendSide:
             w.engine.send_rooms.discard(room.key.id)
         self.clock.cancel(room)
 
-    def _finish_metrics(self, room: SendRoom) -> None:
-        self.metrics.rooms_finished.labels(role="prefill", state=room.state.name).inc()
-        if room.state is RoomState.SUCCESS:
-            self.metrics.room_duration.labels(role="prefill").observe(time.monotonic() - room.created)
 
     # ------------------------------------------------------------------ peers and engines
 
