@@ -232,8 +232,6 @@ class CreditLedger:
         """Landed chunks a reader still holds, plus windows revoked but not yet safe to reuse."""
         return sum(len(g.live) + (1 if g.revoked and not g.cleared else 0) for g in self.grants.values())
 
-    def held_by(self, peer: Link) -> int:
-        return sum(1 for g in self.grants.values() if g.peer is peer and not g.revoked)
 
 
 # --------------------------------------------------------------------------- prefill side

@@ -48,11 +48,9 @@ def grpc_options(config: Config) -> list[tuple[str, int]]:
 class Session:
     """One open Session stream, dialed by us or accepted from the peer."""
 
-    def __init__(self, write: Callable[[peer_pb2.PeerBatch], Awaitable[Any]], cancel: Callable[[], Any],
-                 dialed: bool) -> None:
+    def __init__(self, write: Callable[[peer_pb2.PeerBatch], Awaitable[Any]], cancel: Callable[[], Any]) -> None:
         self.write = write
         self.cancel = cancel
-        self.dialed = dialed
         self.closed = False
         self.writer: asyncio.Task[None] | None = None
 

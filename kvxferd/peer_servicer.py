@@ -74,8 +74,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         if not first.msgs or first.msgs[0].WhichOneof("body") != "hello":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a session starts with a Hello")
             return
-        session = Session(context.write, context.cancel if hasattr(context, "cancel") else (lambda: None),
-                          dialed=False)
+        # Closing an accepted stream means returning from this handler: `done` tells it to.
         done = asyncio.get_running_loop().create_future()
 
         def _cancel() -> None:
@@ -83,7 +82,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             if not done.done():
                 done.set_result(None)
 
-        session.cancel = _cancel
+        session = Session(context.write, _cancel)
         try:
             h = await self._m.accept(first.msgs[0].hello, session)
         except KvxferError as exc:

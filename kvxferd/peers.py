@@ -135,7 +135,7 @@ class PeerManager:
             if h.session is None:
                 if h.is_self:
                     # Rooms between two engines of this daemon: the "stream" is a direct hand-off.
-                    self._start_session(h, Session(self._to_self(h), lambda: None, dialed=True))
+                    self._start_session(h, Session(self._to_self(h), lambda: None))
                 else:
                     await self._dial_session(h)
         return h
@@ -160,7 +160,7 @@ class PeerManager:
         call = h.stub.Session()
         hello = peer_pb2.PeerMsg(hello=peer_pb2.Hello(sender=self._me, peer_instance_id=h.instance_id))
         await call.write(peer_pb2.PeerBatch(msgs=[hello]))
-        session = Session(call.write, call.cancel, dialed=True)
+        session = Session(call.write, call.cancel)
         self._start_session(h, session)
         self._spawn(self._read(h, session, call), f"session with {h.address}")
 
