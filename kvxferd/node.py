@@ -291,8 +291,12 @@ class Node:
         self.send.complete_ack(peer, key, reader, code, message)
 
     def on_abort(self, peer: Link, key: RoomKey, code: FailureCode, reason: str) -> None:
-        self.recv.peer_abort(peer, key, code, reason)
-        self.send.peer_abort(peer, key, code, reason)
+        # Both sides are asked: on this daemon's own link one room id has a send and a receive half.
+        # A room the receive side has is never tombstoned for the send side (an abort meant for it).
+        got_recv = self.recv.peer_abort(peer, key, code, reason)
+        got_send = self.send.peer_abort(peer, key, code, reason, remember=not got_recv)
+        if not got_recv and not got_send:
+            self.recv.nothing_held(peer, key)
 
     def on_notifs(self, notifs: Iterable[tuple[str, bytes]]) -> None:
         self.recv.on_notifs(notifs)

@@ -16,7 +16,7 @@ from typing import Any
 from kvxferd.config import Config, _valid_hostport
 from kvxferd.credits import CreditLedger
 from kvxferd.domain import FailureCode, Role, RoomKey, RoomState, ZeroCopyTarget
-from kvxferd.engines import Engine, EngineTable
+from kvxferd.engines import MAX_TOKENS, Engine, EngineTable
 from kvxferd.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -33,7 +33,7 @@ from kvxferd.notif import NO_CREDIT, Notif, decode_notif
 from kvxferd.ports import BootstrapAnswer, BootstrapMsg, Link
 from kvxferd.registry import NoRegistry, Registry
 from kvxferd.rooms import InSlot, ReaderState, RecvRoom, RoomBase
-from kvxferd.sender import MAX_CHUNK_ID, MAX_TOKENS, layouts_compatible
+from kvxferd.sender import MAX_CHUNK_ID, layouts_compatible
 
 logger = logging.getLogger(__name__)
 
@@ -441,28 +441,28 @@ class RecvSide:
             raise NotFound(f"room {key} is not expected by this engine")
         return room
 
-    def peer_abort(self, peer: Link, key: RoomKey, code: FailureCode, reason: str) -> None:
+    def peer_abort(self, peer: Link, key: RoomKey, code: FailureCode, reason: str) -> bool:
+        """The prefill side failed a room; False if no room of ours matches."""
         room = self.rooms.get(key.id)
         if room is None or room.key != key or room.peer is not peer:
-            # Nothing of it held here: the prefill side may reuse whatever it cut for it.
-            if peer.up:
-                peer.send_release(rooms=[key])
-            return
-        if room.state is RoomState.SUCCESS:
-            # Every byte landed and the engine may still be reading unconsumed chunks: a late failure
-            # on the prefill side (a completion ack lost) must not free them.
-            return
-        self.fail(room, code, f"prefill side: {reason}", push=False)
+            return False
+        if room.state is not RoomState.SUCCESS:
+            # A SUCCESS room stays: every byte landed and the engine may still be reading unconsumed
+            # chunks, so a late failure on the prefill side (a completion ack lost) must not free them.
+            self.fail(room, code, f"prefill side: {reason}", push=False)
+        return True
+
+    @staticmethod
+    def nothing_held(peer: Link, key: RoomKey) -> None:
+        """An abort for a room we do not have: the prefill side may reuse whatever it cut for it."""
+        if peer.up:
+            peer.send_release(rooms=[key])
 
     def peer_lost(self, peer: Link, reason: str) -> None:
         self.ledger.peer_lost(peer)
         for room in list(self.rooms.values()):
             if room.peer is peer and not room.finished:
-                self.fail(room, FailureCode.PEER_LOST, reason, push=False)
-        for (key, _), fut in list(self._boot_waits.items()):
-            waiting = self.rooms.get(key.id)
-            if waiting is not None and waiting.peer is peer and not fut.done():
-                fut.cancel()
+                self.fail(room, FailureCode.PEER_LOST, reason, push=False)  # also ends its bootstrap wait
 
     def engine_gone(self, eng: Engine, code: FailureCode, reason: str) -> None:
         for rid in list(eng.recv_rooms):

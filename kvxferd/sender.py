@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from kvxferd.config import Config
 from kvxferd.domain import ChunkSpec, FailureCode, Role, RoomKey, RoomState, ZeroCopyTarget
-from kvxferd.engines import Engine, EngineTable
+from kvxferd.engines import MAX_TOKENS, Engine, EngineTable
 from kvxferd.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from kvxferd.events import EventHub, RoomClock, count_finished, deadline_reason
 from kvxferd.layout import KVLayout, part_bytes, plan, rank_heads
@@ -25,7 +25,6 @@ logger = logging.getLogger(__name__)
 
 MAX_CHUNK_ID = 1 << 20
 MAX_AUX_BYTES = 64 << 10
-MAX_TOKENS = 1 << 24
 MAX_TOMBSTONES = 65536
 TOMBSTONE_TTL_S = 60.0
 
@@ -330,11 +329,14 @@ class SendSide:
 
     # ------------------------------------------------------------------ peers and engines
 
-    def peer_abort(self, peer: Link, key: RoomKey, code: FailureCode, reason: str) -> None:
+    def peer_abort(self, peer: Link, key: RoomKey, code: FailureCode, reason: str, remember: bool = True) -> bool:
+        """The decode side failed a room; False if no room of ours matches (then, with `remember`,
+        the room is tombstoned)."""
         room = self.rooms.get(key.id)
         if room is not None and room.key == key and room.peer is peer:
             self.fail(room, code, f"decode side: {reason}", push=False)
-        elif room is None or room.key.generation < key.generation:
+            return True
+        if remember and (room is None or room.key.generation < key.generation):
             # The decode side gave up on a room before any prefill rank sent a chunk (its deadline,
             # an abort): remember it, or the first chunk would open a room nobody bootstraps,
             # holding the engine's slots until our own deadline.
@@ -343,6 +345,7 @@ class SendSide:
                 for rid in [r for r, t in self._tombstones.items() if t[3] < now] or list(self._tombstones)[:1024]:
                     del self._tombstones[rid]
             self._tombstones[key.id] = (key, code, reason, now + TOMBSTONE_TTL_S)
+        return False
 
     def peer_lost(self, peer: Link, reason: str) -> None:
         for room in list(self.rooms.values()):
