@@ -120,8 +120,11 @@ class EngineTable:
             raise Unavailable("daemon is draining and accepts no new work")
 
     def source_slots_held(self) -> int:
-        """Slots of prefill rings (a decode ring's space is handed out as credits: credits.py)."""
-        return sum(e.ring.alloc.slots_held for e in [*self.engines.values(), *self._closing] if e.role is Role.PREFILL)
+        """Slots of prefill rings that chunks hold (a decode ring's space is handed out as credits:
+        credits.py). A slot an engine acquired and has not enqueued is the engine's, not held for a
+        transfer: a sending engine keeps one spare (EnqueueChunkRequest.next_tokens)."""
+        return sum(e.ring.alloc.slots_held - len(e.acquired)
+                   for e in [*self.engines.values(), *self._closing] if e.role is Role.PREFILL)
 
     def ring_metrics(self, ring: Ring) -> None:
         self.metrics.ring_used.labels(ring=ring.name).set(ring.alloc.used_bytes)

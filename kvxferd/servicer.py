@@ -164,14 +164,27 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     async def EnqueueChunk(self, request: engine_pb2.EnqueueChunkRequest, context: Any) -> engine_pb2.EnqueueChunkReply:
         self._node.enqueue_chunk(request.engine_id, chunk_spec(request))
-        return engine_pb2.EnqueueChunkReply(code=_CODE_OK)
+        return self._accepted(request)
 
     def _enqueue_one(self, req: engine_pb2.EnqueueChunkRequest) -> engine_pb2.EnqueueChunkReply:
         try:
             self._node.enqueue_chunk(req.engine_id, chunk_spec(req))
         except errors.KvxferError as exc:
             return engine_pb2.EnqueueChunkReply(code=status_of(exc).value[0], message=str(exc))
-        return engine_pb2.EnqueueChunkReply(code=_CODE_OK)
+        return self._accepted(req)
+
+    def _accepted(self, req: engine_pb2.EnqueueChunkRequest) -> engine_pb2.EnqueueChunkReply:
+        reply = engine_pb2.EnqueueChunkReply(code=_CODE_OK)
+        if req.next_tokens:
+            # Best effort: no free slot (or any refusal) just leaves it unset, and the engine
+            # falls back to AcquireSlot, which reports the reason.
+            try:
+                slot, nbytes = self._node.acquire_slot(req.engine_id, req.next_tokens)
+            except errors.KvxferError:
+                return reply
+            reply.next_slot.offset, reply.next_slot.length = slot.offset, slot.length
+            reply.next_chunk_bytes = nbytes
+        return reply
 
     async def EnqueueChunks(self, request: engine_pb2.EnqueueChunksRequest, context: Any) -> engine_pb2.EnqueueChunksReply:
         if len(request.chunks) > 4096:

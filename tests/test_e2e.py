@@ -103,3 +103,45 @@ def test_mixed_tp_pairs(daemons: Any, ptp: int, dtp: int) -> None:
         assert all(s == "SUCCESS" for s in results[("decode", "mx-dec", r)]["states"].values())
     assert status(pre.socket).slots_held == 0
     assert status(dec.socket).slots_held == 0
+
+
+def _rpc_count(metrics_port: int, method: str) -> int:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    prefix = "kvxferd_rpc_duration_seconds_count{"
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(prefix) and f'method="{method}"' in line))
+
+
+def test_a_sender_makes_one_call_per_chunk_and_gives_the_spare_slot_back(daemons: Any) -> None:
+    from kvxfer_client import DecodeReceiver, PrefillSender, RoomState
+
+    pre = daemons("prefill")
+    dec = daemons("decode")
+    chunks, tokens = 8, 32
+    token_bytes = LAYOUT.num_layers * 2 * LAYOUT.total_kv_heads * LAYOUT.head_dim * LAYOUT.dtype_bytes
+    data = [random.Random(i).randbytes(token_bytes * tokens) for i in range(chunks)]
+    with PrefillSender(socket=pre.socket, group="spare-pre", layout=LAYOUT, ring_bytes=4 << 20) as tx, \
+            DecodeReceiver(socket=dec.socket, group="spare-dec", layout=LAYOUT, ring_bytes=4 << 20) as rx:
+        rx.expect(1, pre.peer_address, "spare-pre", chunks * tokens)
+        acquires = _rpc_count(pre.metrics_port, "AcquireSlot")
+        for cid in range(chunks):
+            tx.send_chunk(1, cid, cid * tokens, tokens, data[cid], last=cid == chunks - 1)
+        got, final = rx.receive(1, timeout=30)
+        assert final.state is RoomState.SUCCESS
+        assert [got[c] for c in range(chunks)] == data
+        # One AcquireSlot for the first chunk; every later slot came with the previous EnqueueChunk.
+        assert _rpc_count(pre.metrics_port, "AcquireSlot") - acquires == 1
+        assert _rpc_count(pre.metrics_port, "EnqueueChunk") >= chunks
+        tx.wait(1, timeout=10)
+        st = status(pre.socket)
+        # The spare is the engine's: counted on the engine, not as a slot held for a transfer.
+        assert st.slots_held == 0 and [e.slots_held for e in st.engines] == [1]
+        # A chunk of another size gives the spare back and acquires afresh.
+        tx.release_slot(tx.acquire(tokens * 2))
+        assert [e.slots_held for e in status(pre.socket).engines] == [0]
+        tx.spare.enabled = False
+        tx.release_slot(tx.acquire(tokens))
+        assert [e.slots_held for e in status(pre.socket).engines] == [0]

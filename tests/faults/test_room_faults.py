@@ -181,7 +181,9 @@ def test_chunk_outside_ring_is_rejected_and_nothing_written(pair: Pair) -> None:
         with pytest.raises(KvxferError) as ei:
             tx.poll(7)  # the prefill room exists (bootstrapped) but holds no chunk of this engine
         assert ei.value.code == grpc.StatusCode.NOT_FOUND
-        assert status(pre.socket).slots_held == 1  # only the slot acquired above
+        # Only the slot acquired above, which the engine holds, not a transfer.
+        st = status(pre.socket)
+        assert st.slots_held == 0 and [e.slots_held for e in st.engines] == [1]
         # The good slot still works: the room completes with the right bytes.
         tx.enqueue(7, 0, 0, 32, slot, last=True, aux=b"ok")
         chunks, final = rx.receive(7, timeout=20)

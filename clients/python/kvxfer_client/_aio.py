@@ -23,6 +23,7 @@ from kvxfer_client._common import (
     RoomState,
     RoomStatus,
     Slot,
+    SpareSlot,
     acquire_request,
     bytes_tensor,
     chunk_request,
@@ -187,9 +188,20 @@ class _AsyncEngineClient:
 class AsyncPrefillSender(_AsyncEngineClient):
     role = engine_pb2.ROLE_PREFILL
 
+    def __init__(self, *, socket: str | None = None, call_timeout: float = 10.0) -> None:
+        super().__init__(socket=socket, call_timeout=call_timeout)
+        # Each enqueue() also asks for the next slot, of the same size (see SpareSlot); set
+        # `spare.enabled = False` to turn that off.
+        self.spare = SpareSlot(True)
+
     async def acquire(self, num_tokens: int, timeout: float = 30.0) -> Slot:
         """A slot for `num_tokens` tokens; while the ring is full the daemon holds the call until
         a transfer frees one (no polling), up to `timeout`."""
+        spare, stale = self.spare.take(num_tokens)
+        if stale is not None:
+            await self.release_slot(stale)
+        if spare is not None:
+            return spare
         deadline = time.monotonic() + timeout
         while True:
             req = acquire_request(self.engine_id, num_tokens, deadline, self._timeout)
@@ -213,7 +225,20 @@ class AsyncPrefillSender(_AsyncEngineClient):
     ) -> None:
         """Hands a written chunk over: a slot from acquire(), or (zero-copy engines) its pool pages."""
         c = Chunk(room, chunk_id, token_start, num_tokens, slot, last, aux, generation, tuple(pages))
-        await self._call(self.stub.EnqueueChunk, chunk_request(self.engine_id, c))
+        req = chunk_request(self.engine_id, c)
+        self.spare.ask(req)
+        extra = self.spare.keep(await self._call(self.stub.EnqueueChunk, req), num_tokens)
+        if extra is not None:
+            await self.release_slot(extra)
+
+    async def close(self, unregister: bool = True) -> None:
+        spare = self.spare.drop()
+        if spare is not None and not unregister and self.reg is not None:
+            try:
+                await self.release_slot(spare)
+            except KvxferError:
+                pass  # the daemon frees it with the engine's lease anyway
+        await super().close(unregister)
 
     async def enqueue_many(self, chunks: list[Chunk]) -> list[KvxferError | None]:
         reply = await self._call(self.stub.EnqueueChunks, engine_pb2.EnqueueChunksRequest(

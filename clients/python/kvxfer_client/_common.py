@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import mmap
 import os
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -238,6 +239,48 @@ def acquire_request(engine_id: str, num_tokens: int, deadline: float, call_timeo
     """The daemon waits for space itself, in rounds of at most one call timeout."""
     wait_s = max(0.0, min(deadline - time.monotonic(), call_timeout))
     return engine_pb2.AcquireSlotRequest(engine_id=engine_id, num_tokens=num_tokens, wait_ms=int(wait_s * 1000))
+
+
+class SpareSlot:
+    """At most one slot that the daemon handed out early, with an accepted chunk
+    (EnqueueChunkRequest.next_tokens): an engine that sends chunk after chunk then makes one call
+    per chunk instead of two, and AcquireSlot is left for waiting on a full ring."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._lock = threading.Lock()
+        self._held: tuple[int, Slot] | None = None
+
+    def take(self, num_tokens: int) -> tuple[Slot | None, Slot | None]:
+        """(the held slot if it was sized for num_tokens, else a held slot to give back)."""
+        with self._lock:
+            held, self._held = self._held, None
+        if held is None:
+            return None, None
+        return (held[1], None) if held[0] == num_tokens else (None, held[1])
+
+    def ask(self, req: engine_pb2.EnqueueChunkRequest) -> None:
+        # Only slot-based chunks: a zero-copy engine has no slots.
+        if self.enabled and req.HasField("slot"):
+            with self._lock:
+                if self._held is None:
+                    req.next_tokens = req.num_tokens
+
+    def keep(self, reply: engine_pb2.EnqueueChunkReply, num_tokens: int) -> Slot | None:
+        """Holds the reply's slot; returns one that must be given back (another thread's reply won)."""
+        if not reply.HasField("next_slot"):
+            return None
+        slot = Slot(reply.next_slot.offset, reply.next_slot.length, reply.next_chunk_bytes)
+        with self._lock:
+            if self._held is None:
+                self._held = (num_tokens, slot)
+                return None
+        return slot
+
+    def drop(self) -> Slot | None:
+        with self._lock:
+            held, self._held = self._held, None
+        return held[1] if held is not None else None
 
 
 def room_pb(room: int, generation: int = 0) -> common_pb2.RoomKey:

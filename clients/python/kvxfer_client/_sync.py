@@ -23,6 +23,7 @@ from kvxfer_client._common import (
     RoomState,
     RoomStatus,
     Slot,
+    SpareSlot,
     acquire_request,
     bytes_tensor,
     chunk_request,
@@ -185,9 +186,19 @@ class PrefillSender(_EngineClient):
 
     role = engine_pb2.ROLE_PREFILL
 
+    def __init__(self, *, prefetch_slots: bool = True, **kwargs: Any) -> None:
+        """prefetch_slots: each enqueue() also asks for the next slot, of the same size (see SpareSlot)."""
+        self.spare = SpareSlot(prefetch_slots)
+        super().__init__(**kwargs)
+
     def acquire(self, num_tokens: int, timeout: float = 30.0) -> Slot:
         """A slot for `num_tokens` tokens; while the ring is full the daemon holds the call until
         a transfer frees one (no polling), up to `timeout`."""
+        spare, stale = self.spare.take(num_tokens)
+        if stale is not None:
+            self.release_slot(stale)
+        if spare is not None:
+            return spare
         deadline = time.monotonic() + timeout
         while True:
             req = acquire_request(self.engine_id, num_tokens, deadline, self._timeout)
@@ -211,7 +222,20 @@ class PrefillSender(_EngineClient):
     ) -> None:
         """Hands a written chunk over: a slot from acquire(), or (zero-copy engines) its pool pages."""
         c = Chunk(room, chunk_id, token_start, num_tokens, slot, last, aux, generation, tuple(pages))
-        self._call(self.stub.EnqueueChunk, chunk_request(self.engine_id, c))
+        req = chunk_request(self.engine_id, c)
+        self.spare.ask(req)
+        extra = self.spare.keep(self._call(self.stub.EnqueueChunk, req), num_tokens)
+        if extra is not None:
+            self.release_slot(extra)
+
+    def close(self, unregister: bool = True) -> None:
+        spare = self.spare.drop()
+        if spare is not None and not unregister and not self._closed.is_set():
+            try:
+                self.release_slot(spare)
+            except KvxferError:
+                pass  # the daemon frees it with the engine's lease anyway
+        super().close(unregister)
 
     def enqueue_many(self, chunks: Sequence[Chunk]) -> list[KvxferError | None]:
         """One RPC for many chunks; returns None per accepted chunk, else its error."""

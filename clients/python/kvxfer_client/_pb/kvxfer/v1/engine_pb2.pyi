@@ -156,7 +156,7 @@ class ExpectRoomReply(_message.Message):
     def __init__(self, state: _Optional[_Union[_common_pb2.RoomState, str]] = ...) -> None: ...
 
 class EnqueueChunkRequest(_message.Message):
-    __slots__ = ("engine_id", "room", "chunk_id", "token_start", "num_tokens", "slot", "last", "aux", "pages")
+    __slots__ = ("engine_id", "room", "chunk_id", "token_start", "num_tokens", "slot", "last", "aux", "pages", "next_tokens")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ROOM_FIELD_NUMBER: _ClassVar[int]
     CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +166,7 @@ class EnqueueChunkRequest(_message.Message):
     LAST_FIELD_NUMBER: _ClassVar[int]
     AUX_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     room: _common_pb2.RoomKey
     chunk_id: int
@@ -175,15 +176,20 @@ class EnqueueChunkRequest(_message.Message):
     last: bool
     aux: bytes
     pages: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, engine_id: _Optional[str] = ..., room: _Optional[_Union[_common_pb2.RoomKey, _Mapping]] = ..., chunk_id: _Optional[int] = ..., token_start: _Optional[int] = ..., num_tokens: _Optional[int] = ..., slot: _Optional[_Union[_common_pb2.Slot, _Mapping]] = ..., last: _Optional[bool] = ..., aux: _Optional[bytes] = ..., pages: _Optional[_Iterable[int]] = ...) -> None: ...
+    next_tokens: int
+    def __init__(self, engine_id: _Optional[str] = ..., room: _Optional[_Union[_common_pb2.RoomKey, _Mapping]] = ..., chunk_id: _Optional[int] = ..., token_start: _Optional[int] = ..., num_tokens: _Optional[int] = ..., slot: _Optional[_Union[_common_pb2.Slot, _Mapping]] = ..., last: _Optional[bool] = ..., aux: _Optional[bytes] = ..., pages: _Optional[_Iterable[int]] = ..., next_tokens: _Optional[int] = ...) -> None: ...
 
 class EnqueueChunkReply(_message.Message):
-    __slots__ = ("code", "message")
+    __slots__ = ("code", "message", "next_slot", "next_chunk_bytes")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SLOT_FIELD_NUMBER: _ClassVar[int]
+    NEXT_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    next_slot: _common_pb2.Slot
+    next_chunk_bytes: int
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., next_slot: _Optional[_Union[_common_pb2.Slot, _Mapping]] = ..., next_chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class EnqueueChunksRequest(_message.Message):
     __slots__ = ("chunks",)
