@@ -4,6 +4,9 @@
 - `N`: the next N NIXL posts end in ERROR, so tests can fail a transfer inside a subprocess daemon;
 - `delay S`: the next WRITE is held S seconds before it is posted (a WRITE delayed past a credit
   revocation, as a stalled worker or network would);
+- `stall S`: the event loop is blocked S seconds, as a long GC pause or a stuck call would block
+  it: no heartbeat goes out and no peer message is read, so peers declare this daemon lost while
+  its process lives on and its worker threads go on posting WRITEs it has not learnt are revoked;
 - `register BYTES` / `release`: register a new DRAM region with NIXL (release: the oldest such
   region) and bump the metadata epoch, as importing or releasing an engine's GPU ring does, so CPU
   tests exercise re-handshakes with changed NIXL metadata while rooms are in flight.
@@ -21,6 +24,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -72,6 +76,10 @@ async def fault_control(path: str, injector: FaultInjector, delays: PostDelay, t
                 elif len(words) == 2 and words[0] == "delay":
                     delays.add(float(words[1]))
                     logger.warning("fault injection: the next WRITE is held %s s before it is posted", words[1])
+                elif len(words) == 2 and words[0] == "stall":
+                    logger.warning("fault injection: the event loop stalls for %s s", words[1])
+                    time.sleep(float(words[1]))  # blocking on purpose: the loop is what stalls
+                    logger.warning("fault injection: the event loop runs again")
                 elif len(words) == 2 and words[0] == "register" and words[1].isdigit():
                     m = mmap.mmap(-1, int(words[1]))
                     buf = ctypes.c_char.from_buffer(m)

@@ -315,6 +315,13 @@ class RecvSide:
         if room.peer is not peer:
             raise PermissionDenied(f"room {key} is not bootstrapped with daemon {peer.daemon_id!r}")
         if room.finished:
+            if room.state is RoomState.FAILED and room.failure_code is FailureCode.PEER_LOST:
+                # We lost this peer and failed the room without telling it (it was unreachable).
+                # The same instance is back and never saw a loss (a stalled event loop does
+                # that): it learns the room's failure now, with our code and reason, instead of
+                # failing its half as a refused completion (MISMATCH). The abort goes out before
+                # the refusal, on the same stream.
+                peer.send_abort(key, room.failure_code, room.failure_reason, quiesced=False)
             raise FailedPrecondition(f"room {key} is {room.state.name}")
         rs = room.readers.get(reader)
         if rs is None:

@@ -10,23 +10,13 @@ from __future__ import annotations
 import hashlib
 import time
 import traceback
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvxfer_client import DecodeReceiver, Layout, PrefillSender, RoomState
+from kvxferd.bench.loopback_spec import RoomPlan
 from kvxferd.layout import KVLayout, bytes_per_head, rank_heads
-
-
-@dataclass(frozen=True)
-class RoomPlan:
-    room: int
-    chunks: tuple[int, ...]  # tokens per chunk
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.chunks)
 
 
 def klayout(layout: Layout) -> KVLayout:

@@ -145,7 +145,8 @@ def inject_transfer_errors(d: DaemonProc, n: int) -> None:
 
 def fault_command(d: DaemonProc, command: str) -> None:
     """Test-only hook (fault_injection=true), one command of kvxferd.faults.fault_control: `N` fails the
-    next N NIXL posts; `delay S` holds the next WRITE; `register BYTES` / `release` change the daemon's NIXL metadata as importing
+    next N NIXL posts; `delay S` holds the next WRITE; `stall S` blocks the daemon's event loop (its peers lose it,
+    its workers go on posting); `register BYTES` / `release` change the daemon's NIXL metadata as importing
     or releasing a GPU ring does."""
     ctl = Path(d.socket + ".faults")
     wait_until(lambda: not ctl.exists(), 5, "the previous fault command to be taken")
