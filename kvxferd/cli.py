@@ -140,6 +140,12 @@ def _status(args: argparse.Namespace) -> int:
             f"{e.ring_used_bytes / 2**20:.1f} / {e.ring_bytes / 2**20:.1f} MiB", str(e.slots_held),
         )
     con.print(eng)
+    caps = Table(title="caps (per-caller caps: the caller closest to its limit)")
+    for col in ("cap", "used", "limit"):
+        caps.add_column(col, justify="left" if col == "cap" else "right")
+    for c in st.caps:
+        caps.add_row(c.name, str(c.used), str(c.limit), style="bold red" if c.used >= c.limit else None)
+    con.print(caps)
     peers = Table(title="peers")
     for col in ("daemon", "address", "state", "active rooms"):
         peers.add_column(col)

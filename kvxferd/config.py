@@ -74,6 +74,17 @@ class Config:
     room_deadline_s: float = 120.0
     drain_grace_s: float = 20.0
     max_message_bytes: int = 4 << 20
+    # Caps on what callers can make the daemon hold (kvxferd.limits): a caller at a cap is refused
+    # with RESOURCE_EXHAUSTED naming it; nothing is evicted for it.
+    max_engines: int = 256
+    max_rooms_per_engine: int = 8192
+    max_rooms_per_peer: int = 32768
+    max_open_streams: int = 1024
+    max_watchers_per_engine: int = 16
+    max_streams_per_engine: int = 16
+    max_watch_backlog: int = 65536
+    # Aborts of rooms we did not have yet; oldest evicted first (refusing a peer's abort makes no sense).
+    max_tombstones: int = 65536
     log_level: str = "info"
     log_format: str = "json"
     peers: tuple[str, ...] = ()
@@ -135,6 +146,9 @@ class Config:
             raise ConfigError(f"heartbeat_misses must be >= 1, got {self.heartbeat_misses}")
         if self.max_message_bytes < 64 << 10:
             raise ConfigError(f"max_message_bytes must be at least 65536, got {self.max_message_bytes}")
+        for key, lo, hi in _CAP_RANGES:
+            if not lo <= getattr(self, key) <= hi:
+                raise ConfigError(f"{key} must be {lo}..{hi}, got {getattr(self, key)}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"log_level must be debug|info|warning|error, got {self.log_level!r}")
         if self.log_format not in ("json", "text"):
@@ -186,6 +200,18 @@ class Config:
         """(private key, certificate chain, CA bundle or None) as PEM bytes."""
         ca = Path(self.tls_ca).read_bytes() if self.tls_ca else None
         return Path(self.tls_key).read_bytes(), Path(self.tls_cert).read_bytes(), ca
+
+
+_CAP_RANGES = (
+    ("max_engines", 1, 65536),
+    ("max_rooms_per_engine", 1, 1 << 20),
+    ("max_rooms_per_peer", 1, 1 << 22),
+    ("max_open_streams", 1, 1 << 20),
+    ("max_watchers_per_engine", 1, 4096),
+    ("max_streams_per_engine", 1, 4096),
+    ("max_watch_backlog", 16, 1 << 24),
+    ("max_tombstones", 16, 1 << 22),
+)
 
 
 def _valid_hostport(value: str) -> bool:

@@ -40,6 +40,8 @@ class RoomBase:
         self.plan: tuple[HeadSlice, ...] | None = None
         self.num_tokens: int | None = None
         self.aux = b""
+        # The peer this room is counted against in the rooms_per_peer cap ("" = not counted).
+        self.cap_peer = ""
 
     @property
     def finished(self) -> bool:
