@@ -15,6 +15,8 @@ from typing import Any
 
 import tomllib
 
+from kvxferd.owned import check_dir
+
 
 class ConfigError(ValueError):
     """A configuration value is missing, unknown or out of range."""
@@ -236,6 +238,12 @@ def _check_socket_path(path: str) -> None:
         raise ConfigError(f"socket directory {str(parent)!r} cannot be created: {exc.strerror}") from exc
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError(f"socket directory {str(parent)!r} is not writable")
+    try:
+        # e.g. /tmp/kvxferd-$UID created beforehand by another user: whoever owns it could swap the
+        # socket engines connect to.
+        check_dir(str(parent), "socket directory")
+    except OSError as exc:
+        raise ConfigError(exc.strerror or str(exc)) from exc
 
 
 _FIELDS = {f.name: f for f in fields(Config)}
