@@ -434,7 +434,9 @@ def run(config: Config, ready_file: str | None = None) -> int:
     def _ready(r: Ready) -> None:
         if ready_file:
             tmp = ready_file + ".tmp"
-            with open(tmp, "w") as fh:
+            # Not through a symlink planted at the temporary name.
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            with os.fdopen(fd, "w") as fh:
                 fh.write(r.to_json())
             os.replace(tmp, ready_file)
 

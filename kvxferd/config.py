@@ -139,13 +139,15 @@ class Config:
             raise ConfigError(f"workers must be 1..256, got {self.workers}")
         if not 1 <= self.credit_split <= 1024:
             raise ConfigError(f"credit_split must be 1..1024, got {self.credit_split}")
-        for key in ("heartbeat_interval_s", "engine_lease_s", "room_deadline_s"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"{key} must be > 0, got {getattr(self, key)}")
-        if self.drain_grace_s < 0:
-            raise ConfigError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
-        if self.heartbeat_misses < 1:
-            raise ConfigError(f"heartbeat_misses must be >= 1, got {self.heartbeat_misses}")
+        # Upper bounds too: the same ranges callers get (deadline_ms, lease_ms), and no timer that
+        # would keep a dead peer or a stuck room for days.
+        for key, hi in (("heartbeat_interval_s", 60), ("engine_lease_s", 3600), ("room_deadline_s", 86400)):
+            if not 0 < getattr(self, key) <= hi:
+                raise ConfigError(f"{key} must be > 0 and <= {hi}, got {getattr(self, key)}")
+        if not 0 <= self.drain_grace_s <= 3600:
+            raise ConfigError(f"drain_grace_s must be 0..3600, got {self.drain_grace_s}")
+        if not 1 <= self.heartbeat_misses <= 100:
+            raise ConfigError(f"heartbeat_misses must be 1..100, got {self.heartbeat_misses}")
         if self.max_message_bytes < 64 << 10:
             raise ConfigError(f"max_message_bytes must be at least 65536, got {self.max_message_bytes}")
         for key, lo, hi in _CAP_RANGES:

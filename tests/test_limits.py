@@ -20,6 +20,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -27,6 +28,11 @@ import pytest
 
 from kvxfer_client import DecodeReceiver, KvxferError, Layout, PrefillSender
 from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from kvxferd.config import Config
+from kvxferd.domain import RoomEvent, RoomKey, RoomState
+from kvxferd.errors import CapExceeded
+from kvxferd.events import EventHub
+from kvxferd.limits import Limits
 from tests.conftest import ROOT, DaemonProc, daemon_env, spawn_daemon, wait_ready
 from tests.faults.harness import status, wait_until
 
@@ -286,3 +292,22 @@ def test_status_cli_prints_every_cap(pair: Pair) -> None:
     table = subprocess.run([sys.executable, "-m", "kvxferd", "status", "--socket", pair.pre.socket],
                            capture_output=True, text=True, timeout=60, env=daemon_env(), cwd=ROOT)
     assert table.returncode == 0 and "rooms_per_engine" in table.stdout and "caps" in table.stdout
+
+
+def test_a_watcher_that_stops_reading_is_cut_off_alone() -> None:
+    """The watch backlog (events a WatchRooms reader has not taken) is capped per stream: the slow
+    stream ends with RESOURCE_EXHAUSTED, the engine's other watcher keeps every event."""
+    eng = SimpleNamespace(id="e1", watchers=set())
+    table = SimpleNamespace(limits=Limits(Config(max_watch_backlog=16, max_watchers_per_engine=2)),
+                            engines={"e1": eng}, get=lambda engine_id: eng)
+    hub = EventHub(table)  # type: ignore[arg-type]
+    slow, fast = hub.watch("e1"), hub.watch("e1")
+    with pytest.raises(CapExceeded, match=r"watchers_per_engine cap reached.*config max_watchers_per_engine"):
+        hub.watch("e1")
+    for i in range(40):
+        hub.publish(eng, RoomEvent(RoomKey(i), RoomState.TRANSFERRING))  # type: ignore[arg-type]
+        while fast.qsize():
+            fast.get_nowait()
+    got = [slow.get_nowait() for _ in range(slow.qsize())]
+    assert len(got) == 17 and isinstance(got[-1], CapExceeded) and "config max_watch_backlog" in str(got[-1])
+    assert eng.watchers == {fast} and hub.backlog() == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import mmap
 import os
+import stat
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -368,8 +369,13 @@ class PoolMapping:
     """The daemon's host pool mapped into this process; the engine's ring is a window of it."""
 
     def __init__(self, reg: Registration, pin: bool = False) -> None:
-        fd = os.open(reg.pool_path, os.O_RDWR)
+        fd = os.open(reg.pool_path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
+            st = os.fstat(fd)
+            # Not a file the daemon made (replaced, truncated): refuse now, not SIGBUS on first touch.
+            if not stat.S_ISREG(st.st_mode) or st.st_size < reg.pool_bytes:
+                raise KvxferError(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"host pool {reg.pool_path} is not the daemon's {reg.pool_bytes} B pool file")
             self._mm = mmap.mmap(fd, reg.pool_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
