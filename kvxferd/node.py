@@ -20,9 +20,9 @@ from typing import Any
 from kvxferd import __version__
 from kvxferd.config import Config
 from kvxferd.credits import CreditLedger, CreditWindow
-from kvxferd.domain import ChunkSpec, EngineSpec, FailureCode, RoomKey, RoomState, RoomView, SlotRef
+from kvxferd.domain import ChunkSpec, EngineSpec, FailureCode, Role, RoomKey, RoomState, RoomView, SlotRef
 from kvxferd.engines import Engine, EngineTable, Ring
-from kvxferd.errors import KvxferError
+from kvxferd.errors import KvxferError, NotFound
 from kvxferd.events import EventHub, RoomClock
 from kvxferd.limits import (
     CAPS,
@@ -193,10 +193,17 @@ class Node:
 
     def poll_room(self, engine_id: str, key: RoomKey) -> RoomView:
         eng = self.engines.get(engine_id)
-        room = self._own_room(eng, key)
+        try:
+            room = self._own_room(eng, key)
+        except NotFound:
+            dead = self.send.tombstoned(key) if eng.role is Role.PREFILL else None
+            if dead is None:
+                raise
+            return RoomView(key, RoomState.FAILED, dead[0], f"decode side: {dead[1]}")
         if isinstance(room, SendRoom):
+            w = room.writers.get(eng.rank)
             return RoomView(room.key, room.state, room.failure_code, room.failure_reason,
-                            chunks_done=len(room.writers[eng.rank].done))
+                            chunks_done=len(w.done) if w is not None and w.engine is eng else 0)
         assert isinstance(room, RecvRoom)
         rs = room.readers[eng.rank]
         landed = tuple(

@@ -190,6 +190,9 @@ class SendSide:
                                       f" for peer {peer.address}")
         room = self._room_for(key, group)
         if room.finished:
+            if room.state is RoomState.FAILED:
+                # The decode side learns the room's own failure (code and reason), not a refusal.
+                peer.send_abort(room.key, room.failure_code, room.failure_reason, quiesced=room.in_flight == 0)
             raise FailedPrecondition(f"room {key} is already {room.state.name}: {room.failure_reason}")
         assert room.layout is not None
         why = layouts_compatible(room.layout, layout)
@@ -384,14 +387,26 @@ class SendSide:
 
     def release(self, eng: Engine, room: SendRoom) -> None:
         eng.send_rooms.discard(room.key.id)
-        if not any(room.key.id in w.engine.send_rooms for w in room.writers.values()):
+        # Forgotten only once every rank of the group joined and let go: a rank that has not sent
+        # its first chunk yet must find the room (and its outcome), not open a new one nobody
+        # bootstraps. Otherwise the finished room's collection timer forgets it.
+        if len(room.writers) == room.prefill_tp and not any(
+                room.key.id in w.engine.send_rooms for w in room.writers.values()):
             self._forget(room)
+
+    def own(self, eng: Engine, key: RoomKey) -> SendRoom:
+        """A room of this engine's group: a rank may ask about it before its own first chunk."""
+        room = self.rooms.get(key.id)
+        if room is None or room.key.generation != key.generation or room.group != eng.spec.group:
+            raise NotFound(f"room {key} has no chunks from this engine's group")
+        return room
 
     def tombstones(self) -> int:
         return len(self._tombstones)
 
-    def own(self, eng: Engine, key: RoomKey) -> SendRoom:
-        room = self.rooms.get(key.id)
-        if room is None or room.key.generation != key.generation or eng.rank not in room.writers:
-            raise NotFound(f"room {key} has no chunks from this engine")
-        return room
+    def tombstoned(self, key: RoomKey) -> tuple[FailureCode, str] | None:
+        """The decode side's failure of a room we never had, while remembered."""
+        dead = self._tombstones.get(key.id)
+        if dead is None or dead[0] != key or dead[3] <= time.monotonic():
+            return None
+        return dead[1], dead[2]
