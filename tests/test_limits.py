@@ -12,7 +12,6 @@ import json
 import queue
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -33,7 +32,7 @@ from kvxferd.domain import RoomEvent, RoomKey, RoomState
 from kvxferd.errors import CapExceeded
 from kvxferd.events import EventHub
 from kvxferd.limits import Limits
-from tests.conftest import ROOT, DaemonProc, daemon_env, spawn_daemon, wait_ready
+from tests.conftest import ROOT, DaemonProc, daemon_env, spawn_daemon, stop_all, wait_ready
 from tests.faults.harness import status, wait_until
 
 LAYOUT = Layout(num_layers=2, total_kv_heads=2, head_dim=16, dtype_bytes=2, page_size=16)
@@ -59,11 +58,7 @@ def pair() -> Iterator[Pair]:
         wait_ready(dec)
         yield Pair(pre, dec)
     finally:
-        for d in (pre, dec):
-            if d.proc.poll() is None:
-                d.proc.send_signal(signal.SIGTERM)
-        for d in (pre, dec):
-            d.stop(timeout=30)
+        stop_all(pre, dec)
         shutil.rmtree(wd, ignore_errors=True)
 
 

@@ -5,7 +5,7 @@ has not joined yet; bootstrapping into a FAILED room reports that room's own fai
 
 from __future__ import annotations
 
-import signal
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvxfer_client import DecodeReceiver, KvxferError, Layout, PrefillSender, RoomFailed, RoomState
-from tests.conftest import DaemonProc, spawn_daemon, wait_ready
+from tests.conftest import DaemonProc, spawn_daemon, stop_all, wait_ready
 from tests.faults.harness import wait_until
 
 LAYOUT = Layout(num_layers=2, total_kv_heads=2, head_dim=16, dtype_bytes=2, page_size=16)
@@ -29,11 +29,8 @@ def pair() -> Iterator[tuple[DaemonProc, DaemonProc]]:
         wait_ready(dec)
         yield pre, dec
     finally:
-        for d in (pre, dec):
-            if d.proc.poll() is None:
-                d.proc.send_signal(signal.SIGTERM)
-        for d in (pre, dec):
-            d.stop(timeout=30)
+        stop_all(pre, dec)
+        shutil.rmtree(wd, ignore_errors=True)
 
 
 def polled(tx: PrefillSender, room: int) -> RoomState | None:
