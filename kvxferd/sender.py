@@ -387,10 +387,11 @@ class SendSide:
 
     def release(self, eng: Engine, room: SendRoom) -> None:
         eng.send_rooms.discard(room.key.id)
-        # Forgotten only once every rank of the group joined and let go: a rank that has not sent
-        # its first chunk yet must find the room (and its outcome), not open a new one nobody
-        # bootstraps. Otherwise the finished room's collection timer forgets it.
-        if len(room.writers) == room.prefill_tp and not any(
+        room.released_by.add(eng.rank)
+        # Forgotten only once every rank of the group let go: a rank that has not sent its first
+        # chunk yet must find the room (and its outcome), not open a new one nobody bootstraps.
+        # Otherwise the finished room's collection timer forgets it.
+        if len(room.released_by) == room.prefill_tp and not any(
                 room.key.id in w.engine.send_rooms for w in room.writers.values()):
             self._forget(room)
 

@@ -51,7 +51,7 @@ def pair() -> Iterator[Pair]:
     wd = Path(tempfile.mkdtemp(prefix="kvxl-"))
     pre = spawn_daemon(wd, "pre", "--set", "max_rooms_per_engine=4", "--set", "max_engines=4",
                        "--set", "max_watchers_per_engine=2", "--set", "max_streams_per_engine=2",
-                       "--set", "max_open_streams=6", wait=False)
+                       "--set", "max_open_streams=6", "--set", "max_rooms_per_peer=3", wait=False)
     dec = spawn_daemon(wd, "dec", "--set", "max_rooms_per_engine=4", "--set", "max_rooms_per_peer=6", wait=False)
     try:
         wait_ready(pre)
@@ -118,6 +118,9 @@ def test_an_engine_at_its_room_cap_is_refused_and_other_engines_still_move_bytes
         pfull.send_chunk(204, 0, 0, 16, b"\1" * (16 * TOKEN), last=True)
         wait_until(lambda: metric_sample(dec, "kvxferd_cap_used", "rooms_per_engine") == 4, 5, "the gauge")
         assert metric_sample(dec, "kvxferd_cap_limit", "rooms_per_engine") == 4
+        for room in range(101, 105):  # rooms of a gone engine would stay (counted) until collected
+            full.release(room)
+            pfull.release(room + 100)
     wait_until(lambda: caps(dec)["rooms_per_engine"][0] == 0 and caps(pre)["rooms_per_engine"][0] == 0, 10,
                "engines gone, rooms forgotten")
 
@@ -148,6 +151,36 @@ def test_rooms_per_peer_cap_counts_rooms_of_one_prefill_daemon(pair: Pair) -> No
         move_room(tx, rx, pre, 7, "src")  # another peer: unaffected
         a.release(300)
         b.expect(306, dead, "g", 16)
+
+
+def test_the_prefill_side_counts_rooms_per_bootstrapping_peer(pair: Pair) -> None:
+    pre, dec = pair.pre, pair.dec
+    with DecodeReceiver(socket=dec.socket, group="q1", layout=LAYOUT, ring_bytes=1 << 20) as a, \
+            DecodeReceiver(socket=dec.socket, group="q2", layout=LAYOUT, ring_bytes=1 << 20) as b, \
+            PrefillSender(socket=pre.socket, group="src", layout=LAYOUT, ring_bytes=1 << 20) as tx:
+        for room in (500, 501, 502):
+            a.expect(room, pre.peer_address, "src", 16)
+        wait_until(lambda: caps(pre)["rooms_per_peer"][0] == 3, 10, "three rooms bootstrapped on the prefill side")
+        b.expect(503, pre.peer_address, "src", 16)  # the prefill daemon refuses its bootstrap
+        st = wait_failed(b, 503)
+        assert "rooms_per_peer cap reached" in st.failure_reason and "config max_rooms_per_peer" in st.failure_reason
+        assert caps(pre)["rooms_per_peer"] == (3, 3)
+        # The rooms already bootstrapped still complete, byte-exact.
+        data = b"\x42" * (16 * TOKEN)
+        tx.send_chunk(500, 0, 0, 16, data, last=True)
+        got, _ = a.receive(500, timeout=30)
+        assert got[0] == data
+        tx.wait(500, timeout=10)
+        for room in (500, 501, 502):
+            a.release(room)
+            tx.release(room)
+        b.release(503)
+        wait_until(lambda: caps(pre)["rooms_per_peer"][0] == 0, 10, "the count to go back to 0")
+
+
+def wait_failed(rx: DecodeReceiver, room: int) -> Any:
+    wait_until(lambda: rx.poll(room).state.name == "FAILED", 10, f"room {room} to fail")
+    return rx.poll(room)
 
 
 def test_engines_per_daemon_cap_and_re_registration_at_the_cap(pair: Pair) -> None:
