@@ -140,7 +140,9 @@ def _claim_socket(path: str) -> OwnerLock:
     kvxferd.owned). Once we hold it, a socket and a fault file left there are a dead daemon's and
     are removed; a daemon that holds it is alive, in whatever PID namespace, and we do not start."""
     try:
-        check_dir(os.path.dirname(path) or ".", "socket directory")
+        warning = check_dir(os.path.dirname(path) or ".", "socket directory")
+        if warning:
+            logger.warning("%s", warning)
         lock = OwnerLock(path + LOCK_SUFFIX)
     except Busy as exc:
         raise StartupError(f"another daemon is already serving on {path} (it holds {path}{LOCK_SUFFIX})") from exc

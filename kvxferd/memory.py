@@ -162,7 +162,9 @@ class HostPool:
         self.page_size = huge_page_size(shm_dir)
         self.size = align_up(size, self.page_size or REGION_ALIGN)
         self.tag = tag
-        check_dir(shm_dir, "shm_dir")
+        warning = check_dir(shm_dir, "shm_dir")
+        if warning:
+            logger.warning("%s", warning)
         _remove_stale_pools(shm_dir)
         self.path = str(Path(shm_dir) / f"kvxferd-{tag}.pool")
         # The open fd holds the pool's lock for the daemon's life: that, not a PID, tells the next

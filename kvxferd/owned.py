@@ -28,17 +28,24 @@ class Busy(OSError):
     """The file's lock is held: its owner is alive."""
 
 
-def check_dir(path: str, what: str) -> None:
-    """A directory we create files in must not let other users swap them: owned by us or root, and
-    writable by others only with the sticky bit (like /tmp and /dev/shm). Raises PermissionError."""
+def check_dir(path: str, what: str) -> str:
+    """A directory we create files in must not be someone else's: owned by us or root, else
+    PermissionError (e.g. /tmp/kvxferd-$UID made beforehand by another user). If other users may
+    write it without the sticky bit they could replace our files: refused when it is our own
+    directory (a mistake), accepted with the warning returned when root made it so (a platform's
+    shared directory such as a Kubernetes emptyDir, shared by one pod's containers)."""
     st = os.stat(path)
     if not stat.S_ISDIR(st.st_mode):
         raise NotADirectoryError(errno.ENOTDIR, f"{what} {path} is not a directory")
     if st.st_uid not in (os.geteuid(), 0):
         raise PermissionError(errno.EPERM, f"{what} {path} belongs to uid {st.st_uid}, not to us or root")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
-        raise PermissionError(errno.EPERM, f"{what} {path} is writable by other users and not sticky "
-                                           f"(mode {stat.S_IMODE(st.st_mode):o})")
+    if not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or st.st_mode & stat.S_ISVTX:
+        return ""
+    why = (f"{what} {path} is writable by other users and not sticky (mode {stat.S_IMODE(st.st_mode):o}): "
+           "they could replace the files made there")
+    if st.st_uid != 0:
+        raise PermissionError(errno.EPERM, why)
+    return why + "; keep it to one trust domain (e.g. a pod's emptyDir) or set the sticky bit"
 
 
 def _check_own_file(fd: int, path: str) -> os.stat_result:

@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 
 from kvxferd.config import ConfigError, load_config, parse_size
+from kvxferd.owned import check_dir
+from tests.test_security import as_user
 
 
 def test_defaults_validate(short_tmp: Path) -> None:
@@ -78,8 +80,22 @@ def test_a_socket_directory_of_another_user_or_open_to_all_is_refused(short_tmp:
     os.chown(theirs, 65534, 65534)  # e.g. /tmp/kvxferd-$UID made beforehand by someone else
     with pytest.raises(ConfigError, match="belongs to uid 65534"):
         load_config(None, env={}, overrides={"socket": str(theirs / "d.sock")})
+    # Our own directory open to everyone (not sticky) is refused; checked as that directory's user.
+    os.chmod(short_tmp, 0o755)
     open_dir = short_tmp / "open"
     open_dir.mkdir()
     open_dir.chmod(0o777)
-    with pytest.raises(ConfigError, match="writable by other users and not sticky"):
-        load_config(None, env={}, overrides={"socket": str(open_dir / "d.sock")})
+    os.chown(open_dir, 65534, 65534)
+
+    def refused_as_owner() -> int:
+        try:
+            check_dir(str(open_dir), "socket directory")
+        except PermissionError as exc:
+            return 0 if "writable by other users and not sticky" in str(exc) else 2
+        return 1
+
+    assert as_user(65534, 65534, refused_as_owner) == 0
+    # Root made it so (a Kubernetes emptyDir is 0777, shared by one pod's containers): a warning.
+    os.chown(open_dir, 0, 0)
+    assert "not sticky" in check_dir(str(open_dir), "socket directory")
+    load_config(None, env={}, overrides={"socket": str(open_dir / "d.sock")})
