@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
@@ -27,6 +28,8 @@ from kvxferd.ports import Identity
 logger = logging.getLogger(__name__)
 
 MAX_TOKENS = 1 << 24
+# Engine ids: a random part, then the daemon instance (the host pool's tag) that registered it.
+_ENGINE_ID = re.compile(r"[0-9a-f]{32}@[0-9a-f]{6,32}")
 
 
 @dataclass(eq=False)
@@ -110,7 +113,7 @@ class EngineTable:
     def get(self, engine_id: str, role: Role | None = None) -> Engine:
         check_len("engine_id", engine_id, MAX_ID)
         eng = self.engines.get(engine_id)
-        if eng is None and "@" in engine_id and not engine_id.endswith(f"@{self.pool.tag}"):
+        if eng is None and _ENGINE_ID.fullmatch(engine_id) and not engine_id.endswith(f"@{self.pool.tag}"):
             # Ids carry the daemon instance: an engine that outlived a daemon restart (its mapping is
             # of the old, removed pool) is told so instead of being treated as never registered.
             raise NotFound(f"engine {engine_id!r} was registered with an earlier instance of this daemon "
