@@ -38,6 +38,7 @@ from kvxferd.faults import FAULT_CONTROL_SUFFIX, PostDelay, fault_control
 from kvxferd.memory import HostPool
 from kvxferd.metrics import Metrics, start_metrics_server
 from kvxferd.node import Node
+from kvxferd.owned import Busy, OwnerLock, check_dir
 from kvxferd.peer_link import grpc_options
 from kvxferd.peer_servicer import PEER_UNARY, PeerServicer
 from kvxferd.peers import PeerManager
@@ -131,11 +132,40 @@ def _ucx_devices(config: Config) -> Iterator[None]:
         os.environ.pop("UCX_NET_DEVICES", None)
 
 
-def _prepare_socket(path: str) -> None:
-    """Removes a socket file left by a dead daemon; refuses to steal a live one."""
-    if not os.path.exists(path):
+LOCK_SUFFIX = ".lock"
+
+
+def _claim_socket(path: str) -> OwnerLock:
+    """The daemon serving `path` holds `<path>.lock` for its life (a lock, not a PID: see
+    kvxferd.owned). Once we hold it, a socket and a fault file left there are a dead daemon's and
+    are removed; a daemon that holds it is alive, in whatever PID namespace, and we do not start."""
+    try:
+        warning = check_dir(os.path.dirname(path) or ".", "socket directory")
+        if warning:
+            logger.warning("%s", warning)
+        lock = OwnerLock(path + LOCK_SUFFIX)
+    except Busy as exc:
+        raise StartupError(f"another daemon is already serving on {path} (it holds {path}{LOCK_SUFFIX})") from exc
+    except OSError as exc:
+        raise StartupError(f"cannot claim the socket {path}: {exc.strerror or exc}") from exc
+    try:
+        _remove_stale_socket(path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path + FAULT_CONTROL_SUFFIX)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def _remove_stale_socket(path: str) -> None:
+    """Removes a socket file left by a dead daemon; refuses anything that is not a socket (a
+    symlink is not followed) and a socket that still answers (a daemon older than the lock)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
         return
-    if not stat.S_ISSOCK(os.stat(path).st_mode):
+    if not stat.S_ISSOCK(st.st_mode):
         raise StartupError(f"socket path {path} exists and is not a socket")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -180,6 +210,7 @@ class _Daemon:
     config: Config
     metrics: Metrics
     pool: HostPool
+    socket_lock: OwnerLock
     transport: Transport | None = None
     workers: WorkerPool | None = None
     node: Node | None = None
@@ -226,7 +257,6 @@ async def _start(d: _Daemon, ready: Callable[[Ready], None] | None) -> None:
     reflection.enable_server_reflection((ENGINE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), engine_server)
     reflection.enable_server_reflection((PEER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), peer_server)
 
-    _prepare_socket(config.socket)
     # Created private (umask) so no other user can connect in the moment before the chmod below
     # sets the configured mode.
     old_umask = os.umask(0o177)
@@ -358,8 +388,11 @@ async def _close(d: _Daemon) -> None:
         except Exception as exc:
             logger.warning("closing the transport failed: %s", exc)
     d.pool.close()
-    with contextlib.suppress(OSError):
-        os.unlink(d.config.socket)
+    # Nothing is left behind: the socket, the fault file, and last the lock that owned them.
+    for leftover in (d.config.socket, d.config.socket + FAULT_CONTROL_SUFFIX):
+        with contextlib.suppress(OSError):
+            os.unlink(leftover)
+    d.socket_lock.release()
 
 
 async def serve(
@@ -370,11 +403,13 @@ async def serve(
 ) -> int:
     """Runs the daemon until the trigger fires (or a signal); returns the exit code."""
     instance = uuid.uuid4().hex[:12]
+    lock = _claim_socket(config.socket)
     try:
         pool = HostPool(config.shm_dir, config.host_pool_bytes, instance, mode=config.socket_mode | 0o600)
     except OSError as exc:
-        raise StartupError(f"cannot create the host pool in {config.shm_dir}: {exc.strerror}") from exc
-    d = _Daemon(config, Metrics(), pool)
+        lock.release()
+        raise StartupError(f"cannot create the host pool in {config.shm_dir}: {exc.strerror or exc}") from exc
+    d = _Daemon(config, Metrics(), pool, lock)
     try:
         await _start(d, ready)
         await _wait(shutdown_trigger, install_signal_handlers)
@@ -401,7 +436,9 @@ def run(config: Config, ready_file: str | None = None) -> int:
     def _ready(r: Ready) -> None:
         if ready_file:
             tmp = ready_file + ".tmp"
-            with open(tmp, "w") as fh:
+            # Not through a symlink planted at the temporary name.
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            with os.fdopen(fd, "w") as fh:
                 fh.write(r.to_json())
             os.replace(tmp, ready_file)
 

@@ -92,15 +92,22 @@ def _status(args: argparse.Namespace) -> int:
     import grpc
     from google.protobuf.json_format import MessageToDict
 
+    from kvxfer_client._common import Tls, sync_channel
     from kvxfer_client._pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc
     from kvxferd.config import _default_socket
 
     path = args.socket or os.environ.get("KVXFERD_SOCKET") or _default_socket()
-    target = path if ":" in path and not path.startswith("/") else f"unix:{path}"
     if args.fleet:
         return _fleet(args)
     try:
-        with grpc.insecure_channel(target) as ch:
+        tls = Tls(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key, server_name=args.tls_server_name) \
+            if (args.tls_ca or args.tls_cert or args.tls_key) else None
+        channel = sync_channel(path, tls)
+    except (ValueError, OSError) as exc:
+        print(f"kvxferd: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        with channel as ch:
             st = engine_pb2_grpc.EngineStub(ch).GetStatus(engine_pb2.GetStatusRequest(), timeout=args.timeout)
             registry = _registry_state(ch, args.timeout)
     except grpc.RpcError as exc:
@@ -140,6 +147,12 @@ def _status(args: argparse.Namespace) -> int:
             f"{e.ring_used_bytes / 2**20:.1f} / {e.ring_bytes / 2**20:.1f} MiB", str(e.slots_held),
         )
     con.print(eng)
+    caps = Table(title="caps (per-caller caps: the caller closest to its limit)")
+    for col in ("cap", "used", "limit"):
+        caps.add_column(col, justify="left" if col == "cap" else "right")
+    for c in st.caps:
+        caps.add_row(c.name, str(c.used), str(c.limit), style="bold red" if c.used >= c.limit else None)
+    con.print(caps)
     peers = Table(title="peers")
     for col in ("daemon", "address", "state", "active rooms"):
         peers.add_column(col)
@@ -171,9 +184,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--set", action="append", metavar="KEY=VALUE", help="any config key (repeatable)")
     s.add_argument("--ready-file", help="write {socket, peer_address, metrics_port, ...} as JSON once serving")
     st = sub.add_parser("status", help="print the daemon's view: engines, rings, peers, rooms")
-    st.add_argument("--socket", help="daemon socket path (or KVXFERD_SOCKET)")
+    st.add_argument("--socket", help="daemon socket path, or HOST:PORT of its TCP engine listener (or KVXFERD_SOCKET)")
     st.add_argument("--json", action="store_true", help="machine-readable output")
     st.add_argument("--timeout", type=float, default=5.0)
+    st.add_argument("--tls-ca", help="with --socket HOST:PORT (a TCP engine listener): CA file that signed the daemon's certificate")
+    st.add_argument("--tls-cert", help="client certificate file, for a daemon with tls_client_auth (mutual TLS)")
+    st.add_argument("--tls-key", help="the client certificate's private key file")
+    st.add_argument("--tls-server-name", default="", help="name to check in the daemon's certificate (default: the host)")
     st.add_argument("--fleet", action="store_true",
                     help="daemons, groups, instance ids and ages from the fleet registry (etcd)")
     st.add_argument("--config", help="with --fleet: TOML file with the [registry] table (or KVXFERD_CONFIG)")

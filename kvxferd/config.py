@@ -15,6 +15,8 @@ from typing import Any
 
 import tomllib
 
+from kvxferd.owned import check_dir
+
 
 class ConfigError(ValueError):
     """A configuration value is missing, unknown or out of range."""
@@ -74,6 +76,17 @@ class Config:
     room_deadline_s: float = 120.0
     drain_grace_s: float = 20.0
     max_message_bytes: int = 4 << 20
+    # Caps on what callers can make the daemon hold (kvxferd.limits): a caller at a cap is refused
+    # with RESOURCE_EXHAUSTED naming it; nothing is evicted for it.
+    max_engines: int = 256
+    max_rooms_per_engine: int = 8192
+    max_rooms_per_peer: int = 32768
+    max_open_streams: int = 1024
+    max_watchers_per_engine: int = 16
+    max_streams_per_engine: int = 16
+    max_watch_backlog: int = 65536
+    # Aborts of rooms we did not have yet; oldest evicted first (refusing a peer's abort makes no sense).
+    max_tombstones: int = 65536
     log_level: str = "info"
     log_format: str = "json"
     peers: tuple[str, ...] = ()
@@ -126,15 +139,20 @@ class Config:
             raise ConfigError(f"workers must be 1..256, got {self.workers}")
         if not 1 <= self.credit_split <= 1024:
             raise ConfigError(f"credit_split must be 1..1024, got {self.credit_split}")
-        for key in ("heartbeat_interval_s", "engine_lease_s", "room_deadline_s"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"{key} must be > 0, got {getattr(self, key)}")
-        if self.drain_grace_s < 0:
-            raise ConfigError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
-        if self.heartbeat_misses < 1:
-            raise ConfigError(f"heartbeat_misses must be >= 1, got {self.heartbeat_misses}")
+        # Upper bounds too: the same ranges callers get (deadline_ms, lease_ms), and no timer that
+        # would keep a dead peer or a stuck room for days.
+        for key, hi in (("heartbeat_interval_s", 60), ("engine_lease_s", 3600), ("room_deadline_s", 86400)):
+            if not 0 < getattr(self, key) <= hi:
+                raise ConfigError(f"{key} must be > 0 and <= {hi}, got {getattr(self, key)}")
+        if not 0 <= self.drain_grace_s <= 3600:
+            raise ConfigError(f"drain_grace_s must be 0..3600, got {self.drain_grace_s}")
+        if not 1 <= self.heartbeat_misses <= 100:
+            raise ConfigError(f"heartbeat_misses must be 1..100, got {self.heartbeat_misses}")
         if self.max_message_bytes < 64 << 10:
             raise ConfigError(f"max_message_bytes must be at least 65536, got {self.max_message_bytes}")
+        for key, lo, hi in _CAP_RANGES:
+            if not lo <= getattr(self, key) <= hi:
+                raise ConfigError(f"{key} must be {lo}..{hi}, got {getattr(self, key)}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"log_level must be debug|info|warning|error, got {self.log_level!r}")
         if self.log_format not in ("json", "text"):
@@ -188,6 +206,18 @@ class Config:
         return Path(self.tls_key).read_bytes(), Path(self.tls_cert).read_bytes(), ca
 
 
+_CAP_RANGES = (
+    ("max_engines", 1, 65536),
+    ("max_rooms_per_engine", 1, 1 << 20),
+    ("max_rooms_per_peer", 1, 1 << 22),
+    ("max_open_streams", 1, 1 << 20),
+    ("max_watchers_per_engine", 1, 4096),
+    ("max_streams_per_engine", 1, 4096),
+    ("max_watch_backlog", 16, 1 << 24),
+    ("max_tombstones", 16, 1 << 22),
+)
+
+
 def _valid_hostport(value: str) -> bool:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit():
@@ -210,6 +240,12 @@ def _check_socket_path(path: str) -> None:
         raise ConfigError(f"socket directory {str(parent)!r} cannot be created: {exc.strerror}") from exc
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError(f"socket directory {str(parent)!r} is not writable")
+    try:
+        # e.g. /tmp/kvxferd-$UID created beforehand by another user: whoever owns it could swap the
+        # socket engines connect to.
+        check_dir(str(parent), "socket directory")
+    except OSError as exc:
+        raise ConfigError(exc.strerror or str(exc)) from exc
 
 
 _FIELDS = {f.name: f for f in fields(Config)}

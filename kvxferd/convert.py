@@ -19,6 +19,7 @@ from kvxferd.domain import (
 )
 from kvxferd.errors import InvalidArgument
 from kvxferd.layout import KVLayout
+from kvxferd.limits import MAX_DEVICE_UUID, MAX_ENGINE_NAME, MAX_GROUP, check_len
 from kvxferd.memory import Watermark
 
 MAX_PAGES = 1 << 20
@@ -68,9 +69,10 @@ def engine_spec(req: engine_pb2.RegisterEngineRequest) -> EngineSpec:
             raise InvalidArgument(f"cuda_ring.handle must be 64 bytes (cudaIpcMemHandle_t), got {len(c.handle)}")
         if c.size <= 0:
             raise InvalidArgument("cuda_ring.size must be positive")
+        check_len("cuda_ring.device_uuid", c.device_uuid, MAX_DEVICE_UUID)
         cuda = CudaRingSpec(bytes(c.handle), c.device_uuid, c.offset, c.size)
-    if len(req.name) > 256:
-        raise InvalidArgument("name is longer than 256 characters")
+    check_len("name", req.name, MAX_ENGINE_NAME)
+    check_len("group", req.group, MAX_GROUP)
     return EngineSpec(
         role=Role(req.role), group=req.group, layout=lay, parallel=parallel, ring_bytes=req.ring_bytes,
         cuda_ring=cuda, lease_ms=req.lease_ms, name=req.name, zero_copy=req.zero_copy,

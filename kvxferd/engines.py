@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
@@ -17,8 +18,9 @@ from typing import Any
 
 from kvxferd.config import Config
 from kvxferd.domain import EngineSpec, FailureCode, Role, RoomEvent, SlotRef
-from kvxferd.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from kvxferd.errors import FailedPrecondition, InvalidArgument, KvxferError, NotFound, ResourceExhausted, Unavailable
 from kvxferd.layout import part_bytes, rank_heads
+from kvxferd.limits import ENGINES, MAX_ENGINE_NAME, MAX_GROUP, MAX_ID, Limits, check_len
 from kvxferd.memory import HostPool, RingAllocator
 from kvxferd.metrics import Metrics
 from kvxferd.ports import Identity
@@ -26,6 +28,8 @@ from kvxferd.ports import Identity
 logger = logging.getLogger(__name__)
 
 MAX_TOKENS = 1 << 24
+# Engine ids: a random part, then the daemon instance (the host pool's tag) that registered it.
+_ENGINE_ID = re.compile(r"[0-9a-f]{32}@[0-9a-f]{6,32}")
 
 
 @dataclass(eq=False)
@@ -50,7 +54,8 @@ class Engine:
     acquired: set[int] = field(default_factory=set)
     # Set whenever a slot of this engine's ring is freed: AcquireSlot calls waiting for space.
     space: asyncio.Event = field(default_factory=asyncio.Event)
-    watchers: set[asyncio.Queue[RoomEvent | None]] = field(default_factory=set)
+    # WatchRooms queues: events, None when the engine goes, an error when the reader fell behind.
+    watchers: set[asyncio.Queue[RoomEvent | KvxferError | None]] = field(default_factory=set)
     send_rooms: set[int] = field(default_factory=set)
     recv_rooms: set[int] = field(default_factory=set)
     closing: bool = False
@@ -90,6 +95,7 @@ class EngineTable:
         self.ident = ident
         self.serving = True
         self.engines: dict[str, Engine] = {}
+        self.limits = Limits(config)
         self._spawn = spawn
         # Engines gone whose rings still have slots or credits a transfer may touch.
         self._closing: list[Engine] = []
@@ -105,7 +111,13 @@ class EngineTable:
     # ------------------------------------------------------------------ lookups
 
     def get(self, engine_id: str, role: Role | None = None) -> Engine:
+        check_len("engine_id", engine_id, MAX_ID)
         eng = self.engines.get(engine_id)
+        if eng is None and _ENGINE_ID.fullmatch(engine_id) and not engine_id.endswith(f"@{self.pool.tag}"):
+            # Ids carry the daemon instance: an engine that outlived a daemon restart (its mapping is
+            # of the old, removed pool) is told so instead of being treated as never registered.
+            raise NotFound(f"engine {engine_id!r} was registered with an earlier instance of this daemon "
+                           "(it restarted): register again and map the new pool")
         if eng is None or eng.closing:
             raise NotFound(f"unknown engine {engine_id!r} (not registered, unregistered, or its lease lapsed)")
         if role is not None and eng.role is not role:
@@ -140,8 +152,8 @@ class EngineTable:
         p = spec.parallel
         if spec.role not in (Role.PREFILL, Role.DECODE):
             raise InvalidArgument("role must be PREFILL or DECODE")
-        if not spec.group or len(spec.group) > 128:
-            raise InvalidArgument("group must be a non-empty name of at most 128 characters")
+        check_len("group", spec.group, MAX_GROUP, required=True)
+        check_len("name", spec.name, MAX_ENGINE_NAME)
         if not 1 <= p.tp_size <= 1024 or not 0 <= p.tp_rank < p.tp_size:
             raise InvalidArgument(f"tp_rank {p.tp_rank} must be in [0, tp_size={p.tp_size})")
         if not 1 <= p.pp_size <= 1024 or not 0 <= p.pp_rank < p.pp_size:
@@ -161,6 +173,8 @@ class EngineTable:
                 )
         if spec.lease_ms and not 100 <= spec.lease_ms <= 3_600_000:
             raise InvalidArgument(f"lease_ms must be 100..3600000, got {spec.lease_ms}")
+        if not any(self._same_rank(other, spec) for other in self.engines.values()):
+            self.limits.check(ENGINES, len(self.engines))
         if spec.zero_copy:
             lay = spec.layout
             per_slot, want = zero_copy_slot_bytes(spec), _ring_size(spec)
@@ -211,13 +225,10 @@ class EngineTable:
         # A restarted engine process re-registers the same rank: the old registration is dead
         # (its rooms fail, its mappings go).
         for other in list(self.engines.values()):
-            if (
-                other.spec.group == spec.group and other.role is spec.role
-                and other.rank == p.tp_rank and other.spec.parallel.pp_rank == p.pp_rank
-            ):
+            if self._same_rank(other, spec):
                 logger.warning("engine %s replaced by a new registration of the same rank", other.id)
                 self.drop(other, FailureCode.ENGINE_LOST, "engine re-registered (restarted)")
-        engine_id = uuid.uuid4().hex
+        engine_id = f"{uuid.uuid4().hex}@{self.pool.tag}"
         ring.name = engine_id
         eng = Engine(engine_id, spec, ring, 0.0, pool_slots=pool_slots)
         eng.lease_deadline = time.monotonic() + self.lease_s(eng)
@@ -230,6 +241,12 @@ class EngineTable:
         )
         self.on_change()
         return eng
+
+    @staticmethod
+    def _same_rank(other: Engine, spec: EngineSpec) -> bool:
+        p = spec.parallel
+        return (other.spec.group == spec.group and other.role is spec.role and other.rank == p.tp_rank
+                and other.spec.parallel.pp_rank == p.pp_rank)
 
     def keep_alive(self, engine_id: str) -> float:
         eng = self.get(engine_id)

@@ -40,6 +40,11 @@ class ResourceExhausted(KvxferError):
     code = 8
 
 
+class CapExceeded(ResourceExhausted):
+    """A caller reached one of the daemon's caps (kvxferd.limits); the message names it and its
+    config key."""
+
+
 class Unavailable(KvxferError):
     """The daemon is draining or a peer cannot be reached."""
 

@@ -13,6 +13,8 @@ from collections.abc import Callable
 
 from kvxferd.domain import RoomEvent, RoomState
 from kvxferd.engines import Engine, EngineTable
+from kvxferd.errors import CapExceeded, KvxferError
+from kvxferd.limits import WATCH_BACKLOG, WATCHERS_PER_ENGINE
 from kvxferd.metrics import Metrics
 from kvxferd.rooms import InSlot, ReaderState, RecvRoom, RoomBase, SendRoom, landed_view
 
@@ -68,21 +70,36 @@ class EventHub:
     def __init__(self, engines: EngineTable) -> None:
         self._engines = engines
 
-    def watch(self, engine_id: str) -> asyncio.Queue[RoomEvent | None]:
+    def watch(self, engine_id: str) -> asyncio.Queue[RoomEvent | KvxferError | None]:
         eng = self._engines.get(engine_id)
-        q: asyncio.Queue[RoomEvent | None] = asyncio.Queue()
+        self._engines.limits.check(WATCHERS_PER_ENGINE, len(eng.watchers), f" for engine {engine_id}")
+        q: asyncio.Queue[RoomEvent | KvxferError | None] = asyncio.Queue()
         eng.watchers.add(q)
         return q
 
-    def unwatch(self, engine_id: str, q: asyncio.Queue[RoomEvent | None]) -> None:
+    def unwatch(self, engine_id: str, q: asyncio.Queue[RoomEvent | KvxferError | None]) -> None:
         eng = self._engines.engines.get(engine_id)
         if eng is not None:
             eng.watchers.discard(q)
 
-    @staticmethod
-    def publish(eng: Engine, ev: RoomEvent) -> None:
-        for q in eng.watchers:
-            q.put_nowait(ev)
+    def publish(self, eng: Engine, ev: RoomEvent) -> None:
+        backlog = self._engines.limits.limit(WATCH_BACKLOG)
+        for q in list(eng.watchers):
+            if q.qsize() < backlog:
+                q.put_nowait(ev)
+                continue
+            # A watcher that stopped reading would otherwise grow its queue for ever: its stream ends
+            # (RESOURCE_EXHAUSTED); the engine's other watchers and calls are untouched.
+            eng.watchers.discard(q)
+            q.put_nowait(CapExceeded(
+                f"{WATCH_BACKLOG.name} cap reached for engine {eng.id}: {backlog} events unread "
+                f"(config {WATCH_BACKLOG.key}); this stream is closed, open another and read it"))
+            logger.warning("engine %s: a WatchRooms reader fell %d events behind (room %s); stream closed",
+                           eng.id, backlog, ev.room)
+
+    def backlog(self) -> int:
+        """The longest queue of any watcher (the watch_backlog cap's figure)."""
+        return max((q.qsize() for e in self._engines.engines.values() for q in e.watchers), default=0)
 
     def send_state(self, room: SendRoom, writer: int | None = None) -> None:
         ev = RoomEvent(room.key, room.state, room.failure_code, room.failure_reason)

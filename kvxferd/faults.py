@@ -63,10 +63,16 @@ async def fault_control(path: str, injector: FaultInjector, delays: PostDelay, t
         while True:
             await asyncio.sleep(0.05)
             try:
-                with open(path) as fh:
-                    text = fh.read()
+                # Never through a symlink, and never more than a command's worth.
+                with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)) as fh:
+                    text = fh.read(256)
                 os.unlink(path)
             except FileNotFoundError:
+                continue
+            except OSError as exc:
+                logger.warning("fault injection: %s refused (%s); removed", path, exc.strerror)
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
                 continue
             words = text.split()
             try:

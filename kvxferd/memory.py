@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvxferd.errors import InvalidArgument, ResourceExhausted
+from kvxferd.owned import check_dir, create_locked, remove_unowned
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +114,8 @@ class RingAllocator:
         return list(self._held)
 
 
-_POOL_RE = re.compile(r"^kvxferd-(\d+)-[0-9a-f]+\.pool$")
+_POOL_RE = re.compile(r"^kvxferd-[0-9a-f]{6,32}\.pool$")
+_LEGACY_POOL_RE = re.compile(r"^kvxferd-(\d+)-[0-9a-f]+\.pool$")
 
 
 def huge_page_size(directory: str) -> int:
@@ -160,15 +162,22 @@ class HostPool:
         self.page_size = huge_page_size(shm_dir)
         self.size = align_up(size, self.page_size or REGION_ALIGN)
         self.tag = tag
+        warning = check_dir(shm_dir, "shm_dir")
+        if warning:
+            logger.warning("%s", warning)
         _remove_stale_pools(shm_dir)
-        self.path = str(Path(shm_dir) / f"kvxferd-{os.getpid()}-{tag}.pool")
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
+        self.path = str(Path(shm_dir) / f"kvxferd-{tag}.pool")
+        # The open fd holds the pool's lock for the daemon's life: that, not a PID, tells the next
+        # daemon started on this shm_dir (in any PID namespace) whether the pool is still in use.
+        self._fd = create_locked(self.path, mode)
         try:
-            os.fchmod(fd, mode)
-            os.ftruncate(fd, self.size)
-            self._mm = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
+            os.fchmod(self._fd, mode)
+            os.ftruncate(self._fd, self.size)
+            self._mm = mmap.mmap(self._fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.unlink(self.path)
+            os.close(self._fd)
+            raise
         self._anchor = ctypes.c_char.from_buffer(self._mm)
         self.base_addr = ctypes.addressof(self._anchor)
         self.regions = RingAllocator(self.size, REGION_ALIGN)
@@ -205,33 +214,22 @@ class HostPool:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+        os.close(self._fd)  # the lock goes last: nobody may take the name for stale before it is gone
 
 
 def _remove_stale_pools(shm_dir: str) -> None:
-    """Pools of daemons that died with kill -9 would otherwise pin RAM forever."""
+    """Pools of daemons that died (kill -9, OOM) would otherwise pin RAM forever: a pool whose lock
+    nobody holds is removed. Pools named the pre-lock way (`kvxferd-PID-TAG.pool`) carry no lock and
+    a PID proves nothing across PID namespaces: they are left alone, with a warning."""
     try:
         names = os.listdir(shm_dir)
     except OSError:
         return
     for name in names:
-        m = _POOL_RE.match(name)
-        if not m:
-            continue
-        pid = int(m.group(1))
-        if pid == os.getpid() or _pid_alive(pid):
-            continue
-        try:
-            os.unlink(os.path.join(shm_dir, name))
-            logger.info("removed stale host pool %s of dead pid %d", name, pid)
-        except OSError:
-            pass
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        path = os.path.join(shm_dir, name)
+        if _POOL_RE.match(name):
+            if remove_unowned(path):
+                logger.info("removed host pool %s: its daemon is gone (nobody holds its lock)", name)
+        elif _LEGACY_POOL_RE.match(name):
+            logger.warning("host pool %s is of an older kvxferd (no lock to judge it by): left alone; "
+                           "remove it by hand once no older daemon runs on %s", name, shm_dir)

@@ -74,6 +74,10 @@ class Metrics:
         self.peer_messages = Counter(
             "kvxferd_peer_messages", "Messages on peer control streams", ["direction"], registry=r
         )
+        # Caps on what callers can make the daemon hold (kvxferd.limits); per-caller caps report the
+        # caller closest to its limit.
+        self.cap_used = Gauge("kvxferd_cap_used", "Use of each cap", ["cap"], registry=r)
+        self.cap_limit = Gauge("kvxferd_cap_limit", "Limit of each cap", ["cap"], registry=r)
         # Fleet registry (etcd): 1 while this daemon's record is published and the watch runs;
         # 0 means lookups of groups not seen yet cannot succeed (transfers are unaffected).
         # Labelled so that a daemon without a registry exports no series (and raises no alert).

@@ -20,10 +20,23 @@ from typing import Any
 from kvxferd import __version__
 from kvxferd.config import Config
 from kvxferd.credits import CreditLedger, CreditWindow
-from kvxferd.domain import ChunkSpec, EngineSpec, FailureCode, RoomKey, RoomState, RoomView, SlotRef
+from kvxferd.domain import ChunkSpec, EngineSpec, FailureCode, Role, RoomKey, RoomState, RoomView, SlotRef
 from kvxferd.engines import Engine, EngineTable, Ring
-from kvxferd.errors import KvxferError
+from kvxferd.errors import KvxferError, NotFound
 from kvxferd.events import EventHub, RoomClock
+from kvxferd.limits import (
+    CAPS,
+    ENGINES,
+    OPEN_STREAMS,
+    ROOMS_PER_ENGINE,
+    ROOMS_PER_PEER,
+    STREAMS_PER_ENGINE,
+    TOMBSTONES,
+    WATCH_BACKLOG,
+    WATCHERS_PER_ENGINE,
+    CapUsage,
+    StreamTicket,
+)
 from kvxferd.memory import HostPool, Watermark
 from kvxferd.metrics import Metrics
 from kvxferd.ports import BootstrapAnswer, BootstrapMsg, Identity, Link
@@ -69,6 +82,7 @@ class Node:
         self.recv.connect = connect
         self.peers_view = peers
         workers.expecting = lambda: self.recv.unfinished > 0
+        self.refresh_metrics()  # caps and their limits are exported from the start
 
     def set_registry(self, registry: Registry) -> None:
         self.recv.registry = registry
@@ -114,6 +128,9 @@ class Node:
             m.engines.labels(role=role).set(
                 sum(1 for e in self.engines.engines.values() if e.role.name.lower() == role))
         m.slots_held.set(self.slots_held())
+        for cap in self.caps():
+            m.cap_used.labels(cap=cap.name).set(cap.used)
+            m.cap_limit.labels(cap=cap.name).set(cap.limit)
         self.send.scheduler.sync_gauges()
 
     def _engine_gone(self, eng: Engine, code: FailureCode, reason: str) -> None:
@@ -176,10 +193,17 @@ class Node:
 
     def poll_room(self, engine_id: str, key: RoomKey) -> RoomView:
         eng = self.engines.get(engine_id)
-        room = self._own_room(eng, key)
+        try:
+            room = self._own_room(eng, key)
+        except NotFound:
+            dead = self.send.tombstoned(key) if eng.role is Role.PREFILL else None
+            if dead is None:
+                raise
+            return RoomView(key, RoomState.FAILED, dead[0], f"decode side: {dead[1]}")
         if isinstance(room, SendRoom):
+            w = room.writers.get(eng.rank)
             return RoomView(room.key, room.state, room.failure_code, room.failure_reason,
-                            chunks_done=len(room.writers[eng.rank].done))
+                            chunks_done=len(w.done) if w is not None and w.engine is eng else 0)
         assert isinstance(room, RecvRoom)
         rs = room.readers[eng.rank]
         landed = tuple(
@@ -210,6 +234,21 @@ class Node:
 
     def watch(self, engine_id: str) -> asyncio.Queue[Any]:
         return self.hub.watch(engine_id)
+
+    def open_stream(self) -> StreamTicket:
+        """A server stream opens: counted (open_streams cap) until its ticket is closed."""
+        ticket = self.engines.limits.open_stream()
+        self.refresh_metrics()
+        return ticket
+
+    def close_stream(self, ticket: StreamTicket) -> None:
+        ticket.close()
+        self.refresh_metrics()
+
+    def stream_join(self, ticket: StreamTicket, engine_id: str) -> None:
+        """A stream names an engine: counted against it (streams_per_engine cap)."""
+        self.engines.get(engine_id)
+        ticket.join(engine_id)
 
     def unwatch(self, engine_id: str, q: asyncio.Queue[Any]) -> None:
         self.hub.unwatch(engine_id, q)
@@ -243,6 +282,22 @@ class Node:
         return sum(1 for r in [*self.send.rooms.values(), *self.recv.rooms.values()]
                    if r.peer is peer and not r.finished)
 
+    def caps(self) -> list[CapUsage]:
+        """Every cap's figure: per-caller caps report the caller closest to its limit."""
+        lim = self.engines.limits
+        engines = list(self.engines.engines.values())
+        used = {
+            ENGINES: len(engines),
+            ROOMS_PER_ENGINE: max((len(e.send_rooms) + len(e.recv_rooms) for e in engines), default=0),
+            ROOMS_PER_PEER: max(lim.peer_rooms.values(), default=0),
+            OPEN_STREAMS: lim.open_streams,
+            WATCHERS_PER_ENGINE: max((len(e.watchers) for e in engines), default=0),
+            STREAMS_PER_ENGINE: max(lim.engine_streams.values(), default=0),
+            WATCH_BACKLOG: self.hub.backlog(),
+            TOMBSTONES: self.send.tombstones(),
+        }
+        return [CapUsage(cap.name, used[cap], lim.limit(cap)) for cap in CAPS]
+
     def status(self) -> dict[str, object]:
         counts: dict[str, int] = {}
         for r in [*self.send.rooms.values(), *self.recv.rooms.values()]:
@@ -258,6 +313,7 @@ class Node:
             "pool_bytes": self.pool.size,
             "uptime_s": time.monotonic() - self.started,
             "peer_address": self.ident.address,
+            "caps": self.caps(),
         }
 
     # ------------------------------------------------------------------ PeerInbox: what peers send us

@@ -27,6 +27,7 @@ from kvxferd.errors import (
 )
 from kvxferd.events import EventHub, RoomClock, count_finished, deadline_reason
 from kvxferd.layout import part_bytes, plan
+from kvxferd.limits import MAX_ADDRESS, MAX_GROUP, ROOMS_PER_ENGINE, check_len
 from kvxferd.memory import Watermark
 from kvxferd.metrics import Metrics
 from kvxferd.notif import NO_CREDIT, Notif, decode_notif
@@ -74,17 +75,20 @@ class RecvSide:
             self.engines.check_pages(eng, pages, num_tokens, "ExpectRoom")
         elif pages:
             raise InvalidArgument("pages are only for zero-copy engines")
+        check_len("prefill_address", prefill_address, MAX_ADDRESS)
         if prefill_address and not _valid_hostport(prefill_address):
             raise InvalidArgument("prefill_address must be HOST:PORT of the prefill daemon's peer service")
         if not prefill_address and not self.registry.enabled:
             raise InvalidArgument("prefill_address is required (HOST:PORT) unless a fleet registry is configured")
-        if not prefill_group or len(prefill_group) > 128:
-            raise InvalidArgument("prefill_group must name the prefill engines' group (at most 128 characters)")
+        check_len("prefill_group", prefill_group, MAX_GROUP, required=True)
         if not 1 <= num_tokens <= MAX_TOKENS:
             raise InvalidArgument(f"num_tokens must be 1..{MAX_TOKENS}, got {num_tokens}")
         if deadline_ms and not 10 <= deadline_ms <= 86_400_000:
             raise InvalidArgument(f"deadline_ms must be 10..86400000, got {deadline_ms}")
         p = eng.spec.parallel
+        limits = self.engines.limits
+        if key.id not in eng.recv_rooms:
+            limits.check(ROOMS_PER_ENGINE, len(eng.recv_rooms), f" for engine {eng.id}")
         room = self.rooms.get(key.id)
         if room is not None:
             if key.generation < room.key.generation:
@@ -94,8 +98,12 @@ class RecvSide:
                 self._forget(room)
                 room = None
         if room is None:
+            # Counted against the daemon it names (by group while a registry resolves the address).
+            cap_peer = prefill_address or f"group {prefill_group}"
+            limits.peer_room_added(cap_peer)
             deadline_s = deadline_ms / 1000 if deadline_ms else self.config.room_deadline_s
             room = RecvRoom(key, deadline_s, prefill_address, prefill_group, num_tokens, p.tp_size, eng.spec.layout)
+            room.cap_peer = cap_peer
             self.rooms[key.id] = room
             self.unfinished += 1
             self.clock.arm_deadline(room, deadline_s, self._deadline)
@@ -428,6 +436,9 @@ class RecvSide:
     def _forget(self, room: RecvRoom) -> None:
         if self.rooms.get(room.key.id) is room:
             del self.rooms[room.key.id]
+        if room.cap_peer:
+            self.engines.limits.peer_room_gone(room.cap_peer)
+            room.cap_peer = ""
         for rs in room.readers.values():
             rs.engine.recv_rooms.discard(room.key.id)
         # A SUCCESS room released before every chunk was watermarked would hold its ranges for ever.

@@ -40,6 +40,8 @@ class RoomBase:
         self.plan: tuple[HeadSlice, ...] | None = None
         self.num_tokens: int | None = None
         self.aux = b""
+        # The peer this room is counted against in the rooms_per_peer cap ("" = not counted).
+        self.cap_peer = ""
 
     @property
     def finished(self) -> bool:
@@ -127,6 +129,8 @@ class SendRoom(RoomBase):
         self.zero_copy = False
         self.zc_targets: dict[int, ZeroCopyTarget] = {}
         self.first_chunk_at: float | None = None
+        # Ranks whose engine released the room (ReleaseRoom); forgotten once every rank did.
+        self.released_by: set[int] = set()
 
     def all_writers_finished(self) -> bool:
         return len(self.writers) == self.prefill_tp and all(w.finished for w in self.writers.values())

@@ -16,6 +16,7 @@ from kvxferd.engines import MAX_TOKENS, Engine, EngineTable
 from kvxferd.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from kvxferd.events import EventHub, RoomClock, count_finished, deadline_reason
 from kvxferd.layout import KVLayout, part_bytes, plan, rank_heads
+from kvxferd.limits import MAX_GROUP, ROOMS_PER_ENGINE, ROOMS_PER_PEER, TOMBSTONES
 from kvxferd.metrics import Metrics
 from kvxferd.ports import Link
 from kvxferd.rooms import OutChunk, RoomBase, SendRoom, WriterState
@@ -25,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 MAX_CHUNK_ID = 1 << 20
 MAX_AUX_BYTES = 64 << 10
-MAX_TOMBSTONES = 65536
+MAX_REASON = 1024
 TOMBSTONE_TTL_S = 60.0
 
 
@@ -122,6 +123,8 @@ class SendSide:
         eng = self.engines.get(engine_id, Role.PREFILL)
         key = chunk.room
         self._check_chunk(eng, chunk)
+        if key.id not in eng.send_rooms:
+            self.engines.limits.check(ROOMS_PER_ENGINE, len(eng.send_rooms), f" for engine {eng.id}")
         room = self.rooms.get(key.id)
         if room is None or room.key.generation < key.generation:
             if not self.engines.serving:
@@ -176,13 +179,20 @@ class SendSide:
             raise InvalidArgument(f"reader rank {reader} must be in [0, decode_tp={decode_tp})")
         if not 1 <= num_tokens <= MAX_TOKENS:
             raise InvalidArgument(f"num_tokens must be 1..{MAX_TOKENS}")
-        if len(group) > 128 or len(reader_ring) > 128:
-            raise InvalidArgument("group and reader_ring are names of at most 128 characters")
+        if len(group) > MAX_GROUP or len(reader_ring) > MAX_GROUP:
+            raise InvalidArgument(f"group and reader_ring are names of at most {MAX_GROUP} characters")
         room = self.rooms.get(key.id)
         if room is None or room.key.generation < key.generation:
             self.engines.require_serving()
+        if room is None or room.key.generation < key.generation or not room.cap_peer:
+            # Checked before anything is created: a peer at its cap changes nothing here.
+            self.engines.limits.check(ROOMS_PER_PEER, self.engines.limits.peer_rooms.get(peer.address, 0),
+                                      f" for peer {peer.address}")
         room = self._room_for(key, group)
         if room.finished:
+            if room.state is RoomState.FAILED:
+                # The decode side learns the room's own failure (code and reason), not a refusal.
+                peer.send_abort(room.key, room.failure_code, room.failure_reason, quiesced=room.in_flight == 0)
             raise FailedPrecondition(f"room {key} is already {room.state.name}: {room.failure_reason}")
         assert room.layout is not None
         why = layouts_compatible(room.layout, layout)
@@ -224,6 +234,9 @@ class SendSide:
             room.zero_copy = True
             room.zc_targets[reader] = zero_copy
         room.peer = peer
+        if not room.cap_peer:
+            self.engines.limits.peer_room_added(peer.address)
+            room.cap_peer = peer.address
         room.decode_tp = decode_tp
         room.num_tokens = num_tokens
         room.readers.add(reader)
@@ -322,6 +335,9 @@ class SendSide:
     def _forget(self, room: SendRoom) -> None:
         if self.rooms.get(room.key.id) is room:
             del self.rooms[room.key.id]
+        if room.cap_peer:
+            self.engines.limits.peer_room_gone(room.cap_peer)
+            room.cap_peer = ""
         for w in room.writers.values():
             w.engine.send_rooms.discard(room.key.id)
         self.clock.cancel(room)
@@ -340,11 +356,16 @@ class SendSide:
             # The decode side gave up on a room before any prefill rank sent a chunk (its deadline,
             # an abort): remember it, or the first chunk would open a room nobody bootstraps,
             # holding the engine's slots until our own deadline.
+            # Bounded by max_tombstones, oldest evicted first: refusing a peer's abort makes no sense,
+            # and an evicted tombstone costs at most a room that waits for its deadline.
             now = time.monotonic()
-            if len(self._tombstones) >= MAX_TOMBSTONES:
-                for rid in [r for r, t in self._tombstones.items() if t[3] < now] or list(self._tombstones)[:1024]:
+            cap = self.engines.limits.limit(TOMBSTONES)
+            if len(self._tombstones) >= cap:
+                expired = [r for r, t in self._tombstones.items() if t[3] < now]
+                for rid in expired or list(self._tombstones)[: max(1, cap // 64)]:
                     del self._tombstones[rid]
-            self._tombstones[key.id] = (key, code, reason, now + TOMBSTONE_TTL_S)
+            self._tombstones.pop(key.id, None)  # re-inserted last: the dict's order is the age order
+            self._tombstones[key.id] = (key, code, reason[:MAX_REASON], now + TOMBSTONE_TTL_S)
         return False
 
     def peer_lost(self, peer: Link, reason: str) -> None:
@@ -366,11 +387,27 @@ class SendSide:
 
     def release(self, eng: Engine, room: SendRoom) -> None:
         eng.send_rooms.discard(room.key.id)
-        if not any(room.key.id in w.engine.send_rooms for w in room.writers.values()):
+        room.released_by.add(eng.rank)
+        # Forgotten only once every rank of the group let go: a rank that has not sent its first
+        # chunk yet must find the room (and its outcome), not open a new one nobody bootstraps.
+        # Otherwise the finished room's collection timer forgets it.
+        if len(room.released_by) == room.prefill_tp and not any(
+                room.key.id in w.engine.send_rooms for w in room.writers.values()):
             self._forget(room)
 
     def own(self, eng: Engine, key: RoomKey) -> SendRoom:
+        """A room of this engine's group: a rank may ask about it before its own first chunk."""
         room = self.rooms.get(key.id)
-        if room is None or room.key.generation != key.generation or eng.rank not in room.writers:
-            raise NotFound(f"room {key} has no chunks from this engine")
+        if room is None or room.key.generation != key.generation or room.group != eng.spec.group:
+            raise NotFound(f"room {key} has no chunks from this engine's group")
         return room
+
+    def tombstones(self) -> int:
+        return len(self._tombstones)
+
+    def tombstoned(self, key: RoomKey) -> tuple[FailureCode, str] | None:
+        """The decode side's failure of a room we never had, while remembered."""
+        dead = self._tombstones.get(key.id)
+        if dead is None or dead[0] != key or dead[3] <= time.monotonic():
+            return None
+        return dead[1], dead[2]

@@ -7,6 +7,7 @@ recorded per method.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -21,6 +22,7 @@ from kvxferd.convert import chunk_spec, engine_spec, room_event_pb, room_key, ro
 from kvxferd.domain import Role, SlotRef
 from kvxferd.engines import Engine, Ring
 from kvxferd.gpu import gpu_data_path
+from kvxferd.limits import MAX_ID, StreamTicket, check_len
 from kvxferd.metrics import Metrics
 from kvxferd.node import Node
 from kvxferd.registration import FIRST_WAIT_S, POLL_WAIT_S, PendingRegistrations
@@ -33,6 +35,7 @@ _CODES: dict[type[errors.KvxferError], grpc.StatusCode] = {
     errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.CapExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,  # a caller at one of the daemon's caps
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
     errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
 }
@@ -109,6 +112,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         # Answer "pending" well inside the caller's deadline, whatever it is.
         left = context.time_remaining() if context is not None else None
         budget = POLL_WAIT_S if left is None else max(0.0, min(POLL_WAIT_S, left / 2))
+        check_len("registration_id", request.registration_id, MAX_ID)
         if request.registration_id:
             got = await self._pending.wait(request.registration_id, budget)
         elif request.accept_pending and spec.cuda_ring is not None and self._cuda_importer is not None:
@@ -194,8 +198,27 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def EnqueueStream(
         self, request_iterator: AsyncIterator[engine_pb2.EnqueueChunkRequest], context: Any
     ) -> AsyncIterator[engine_pb2.EnqueueChunkReply]:
-        async for req in request_iterator:
-            yield self._enqueue_one(req)
+        async with self._stream(context) as ticket:
+            async for req in request_iterator:
+                try:
+                    self._node.stream_join(ticket, req.engine_id)
+                except errors.KvxferError as exc:
+                    yield engine_pb2.EnqueueChunkReply(code=status_of(exc).value[0], message=str(exc))
+                    continue
+                yield self._enqueue_one(req)
+
+    @contextlib.asynccontextmanager
+    async def _stream(self, context: Any) -> AsyncIterator[StreamTicket]:
+        """A server stream counted (open_streams cap) while it is open; refused at the cap."""
+        try:
+            ticket = self._node.open_stream()
+        except errors.KvxferError as exc:
+            await context.abort(status_of(exc), str(exc))
+            raise  # abort raises; never reached
+        try:
+            yield ticket
+        finally:
+            self._node.close_stream(ticket)
 
     async def PollRoom(self, request: engine_pb2.PollRoomRequest, context: Any) -> engine_pb2.RoomStatus:
         if not request.HasField("room"):
@@ -203,19 +226,23 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         return room_status_pb(self._node.poll_room(request.engine_id, room_key(request.room)))
 
     async def WatchRooms(self, request: engine_pb2.WatchRoomsRequest, context: Any) -> AsyncIterator[engine_pb2.RoomEvent]:
-        try:
-            q = self._node.watch(request.engine_id)
-        except errors.KvxferError as exc:
-            await context.abort(status_of(exc), str(exc))
-            return
-        try:
-            while True:
-                ev = await q.get()
-                if ev is None:
-                    return
-                yield room_event_pb(ev)
-        finally:
-            self._node.unwatch(request.engine_id, q)
+        async with self._stream(context):
+            try:
+                q = self._node.watch(request.engine_id)
+            except errors.KvxferError as exc:
+                await context.abort(status_of(exc), str(exc))
+                return
+            try:
+                while True:
+                    ev = await q.get()
+                    if ev is None:
+                        return
+                    if isinstance(ev, errors.KvxferError):  # the reader fell behind: this stream ends
+                        await context.abort(status_of(ev), str(ev))
+                        return
+                    yield room_event_pb(ev)
+            finally:
+                self._node.unwatch(request.engine_id, q)
 
     async def Watermark(self, request: engine_pb2.WatermarkRequest, context: Any) -> engine_pb2.WatermarkReply:
         if not request.HasField("room"):
@@ -265,6 +292,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             uptime_s=float(st["uptime_s"]),  # type: ignore[arg-type]
             peer_address=str(st["peer_address"]),
             gpu_data_path=gpu_data_path(self._node.config.data_path),
+            caps=[engine_pb2.CapUsage(name=c.name, used=c.used, limit=c.limit)
+                  for c in st["caps"]],  # type: ignore[attr-defined]
         )
 
 

@@ -102,6 +102,15 @@ def spawn_daemon(
     return d
 
 
+def stop_all(*ds: DaemonProc, timeout: float = 30.0) -> None:
+    """SIGTERM to every daemon at once (each drains on its own), then waits for each."""
+    for d in ds:
+        if d.proc.poll() is None:
+            d.proc.send_signal(signal.SIGTERM)
+    for d in ds:
+        d.stop(timeout=timeout)
+
+
 def wait_ready(d: DaemonProc, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -1,10 +1,13 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from kvxferd.config import ConfigError, load_config, parse_size
+from kvxferd.owned import check_dir
+from tests.test_security import as_user
 
 
 def test_defaults_validate(short_tmp: Path) -> None:
@@ -35,6 +38,11 @@ def test_precedence_file_env_flags(short_tmp: Path) -> None:
         ('tls_cert = "/nonexistent.pem"\ntls_key = "/nonexistent.key"\n', "no such file"),
         ('socket = "/proc/kvx/d.sock"\n', "cannot be created"),
         ("host_pool_bytes = 10\n", "at least 1 MiB"),
+        ("max_rooms_per_engine = 0\n", "max_rooms_per_engine must be 1.."),
+        ("max_engines = 1000000\n", "max_engines must be 1..65536"),
+        ("max_watch_backlog = 1\n", "max_watch_backlog must be 16.."),
+        ("room_deadline_s = 100000\n", "room_deadline_s must be > 0 and <= 86400"),
+        ("heartbeat_misses = 1000\n", "heartbeat_misses must be 1..100"),
     ],
 )
 def test_bad_values_have_clear_messages(short_tmp: Path, content: str, needle: str) -> None:
@@ -56,3 +64,38 @@ def test_parse_size() -> None:
     assert parse_size(4096) == 4096
     with pytest.raises(ConfigError):
         parse_size("lots")
+
+
+def test_cap_defaults_are_set_and_overridable(short_tmp: Path) -> None:
+    cfg = load_config(None, env={"KVXFERD_MAX_ROOMS_PER_PEER": "12"}, overrides={"socket": str(short_tmp / "a.sock")})
+    assert (cfg.max_engines, cfg.max_rooms_per_engine, cfg.max_rooms_per_peer) == (256, 8192, 12)
+    assert (cfg.max_open_streams, cfg.max_watchers_per_engine, cfg.max_streams_per_engine) == (1024, 16, 16)
+    assert (cfg.max_watch_backlog, cfg.max_tombstones) == (65536, 65536)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a directory of another user needs root")
+def test_a_socket_directory_of_another_user_or_open_to_all_is_refused(short_tmp: Path) -> None:
+    theirs = short_tmp / "theirs"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 65534, 65534)  # e.g. /tmp/kvxferd-$UID made beforehand by someone else
+    with pytest.raises(ConfigError, match="belongs to uid 65534"):
+        load_config(None, env={}, overrides={"socket": str(theirs / "d.sock")})
+    # Our own directory open to everyone (not sticky) is refused; checked as that directory's user.
+    os.chmod(short_tmp, 0o755)
+    open_dir = short_tmp / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)
+    os.chown(open_dir, 65534, 65534)
+
+    def refused_as_owner() -> int:
+        try:
+            check_dir(str(open_dir), "socket directory")
+        except PermissionError as exc:
+            return 0 if "writable by other users and not sticky" in str(exc) else 2
+        return 1
+
+    assert as_user(65534, 65534, refused_as_owner) == 0
+    # Root made it so (a Kubernetes emptyDir is 0777, shared by one pod's containers): a warning.
+    os.chown(open_dir, 0, 0)
+    assert "not sticky" in check_dir(str(open_dir), "socket directory")
+    load_config(None, env={}, overrides={"socket": str(open_dir / "d.sock")})

@@ -6,15 +6,19 @@ request size limits, and no listener on a non-loopback address unless configured
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import errno
 import ipaddress
+import json
 import mmap
 import os
 import shutil
 import signal
 import socket
 import stat
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,10 +32,20 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from kvxfer_client import DecodeReceiver, Layout, PrefillSender, RoomFailed
+from kvxfer_client import (
+    AsyncPrefillSender,
+    DecodeReceiver,
+    KvxferError,
+    Layout,
+    PrefillSender,
+    RoomFailed,
+    Tls,
+    async_daemon_status,
+    daemon_status,
+)
 from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
 from kvxferd.config import Config
-from tests.conftest import DaemonProc, spawn_daemon, wait_ready
+from tests.conftest import ROOT, DaemonProc, daemon_env, spawn_daemon, wait_ready
 
 LAYOUT = Layout(num_layers=2, total_kv_heads=2, head_dim=16, dtype_bytes=2, page_size=16)
 NOBODY = 65534  # nobody / nogroup on Debian
@@ -328,6 +342,51 @@ def test_two_daemons_with_mutual_tls_complete_a_room_and_refuse_a_rogue_peer(fle
     with grpc.insecure_channel(f"unix:{pre.socket}") as ch:
         st = engine_pb2_grpc.EngineStub(ch).GetStatus(engine_pb2.GetStatusRequest(), timeout=5)
     assert {p.daemon_id for p in st.peers} == {"dec"}, "a peer without a valid certificate got in"
+
+
+def test_python_client_and_cli_speak_tls_and_mutual_tls(fleet: Fleet, pki: Pki) -> None:
+    tls_tcp, mtls_tcp = str(fleet.d["tls"].info["engine_tcp"]), str(fleet.d["pre"].info["engine_tcp"])
+    # Server TLS: the CA as a path or as bytes; an engine registers, maps its ring and takes a slot.
+    assert daemon_status(tls_tcp, Tls(ca=pki.ca)).daemon_id == "tls"
+    assert daemon_status(tls_tcp, Tls(ca=pki.ca.read_bytes())).daemon_id == "tls"
+    with PrefillSender(socket=tls_tcp, tls=Tls(ca=str(pki.ca)), group="tls-g", layout=LAYOUT,
+                       ring_bytes=1 << 20) as tx:
+        tx.release_slot(tx.acquire(16))
+    for bad in (None, Tls(ca=pki.rogue_ca)):  # plaintext, or a CA that did not sign the daemon
+        with pytest.raises(KvxferError) as ei:
+            daemon_status(tls_tcp, bad)
+        assert ei.value.code == REFUSED
+    # Mutual TLS: our certificate from files or from memory; none, or one of another CA, is refused.
+    mine = Tls(ca=pki.ca, cert=pki.cert, key=pki.key)
+    assert daemon_status(mtls_tcp, mine).daemon_id == "pre"
+    assert daemon_status(mtls_tcp, Tls(*pki.read(pki.ca, pki.cert, pki.key))).daemon_id == "pre"
+    for bad in (Tls(ca=pki.ca), Tls(ca=pki.ca, cert=pki.rogue_cert, key=pki.rogue_key)):
+        with pytest.raises(KvxferError) as ei:
+            daemon_status(mtls_tcp, bad)
+        assert ei.value.code == REFUSED
+
+    async def aio() -> str:
+        tx = await AsyncPrefillSender.create(socket=mtls_tcp, tls=mine, group="tls-a", layout=LAYOUT,
+                                             ring_bytes=1 << 20)
+        try:
+            await tx.release_slot(await tx.acquire(16))
+        finally:
+            await tx.close()
+        with pytest.raises(KvxferError) as ei:
+            await async_daemon_status(mtls_tcp, Tls(ca=pki.ca))
+        assert ei.value.code == REFUSED
+        return (await async_daemon_status(mtls_tcp, mine)).daemon_id
+
+    assert asyncio.run(aio()) == "pre"
+    with pytest.raises(ValueError):
+        daemon_status(fleet.d["pre"].socket, mine)  # TLS over the Unix socket is a mistake, said so
+    # The CLI takes the same material.
+    cli = [sys.executable, "-m", "kvxferd", "status", "--socket", mtls_tcp, "--json", "--tls-ca", str(pki.ca)]
+    ok = subprocess.run([*cli, "--tls-cert", str(pki.cert), "--tls-key", str(pki.key)], capture_output=True,
+                        text=True, timeout=60, env=daemon_env(), cwd=ROOT)
+    assert ok.returncode == 0 and json.loads(ok.stdout)["daemon_id"] == "pre", ok.stderr
+    refused = subprocess.run(cli, capture_output=True, text=True, timeout=60, env=daemon_env(), cwd=ROOT)
+    assert refused.returncode == 1 and "UNAVAILABLE" in refused.stderr
 
 
 # --------------------------------------------------------------------------- size limits and bind addresses

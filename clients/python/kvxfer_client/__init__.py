@@ -4,7 +4,7 @@ Blocking: PrefillSender, DecodeReceiver. asyncio: AsyncPrefillSender, AsyncDecod
 (created with ``await AsyncPrefillSender.create(...)``). No gRPC knowledge needed.
 """
 
-from kvxfer_client._aio import AsyncDecodeReceiver, AsyncPrefillSender
+from kvxfer_client._aio import AsyncDecodeReceiver, AsyncPrefillSender, async_daemon_status
 from kvxfer_client._common import (
     Chunk,
     KvxferError,
@@ -15,9 +15,10 @@ from kvxfer_client._common import (
     RoomState,
     RoomStatus,
     Slot,
+    Tls,
     default_socket,
 )
-from kvxfer_client._sync import DecodeReceiver, PrefillSender
+from kvxfer_client._sync import DecodeReceiver, PrefillSender, daemon_status
 
 __version__ = "0.1.0"
 
@@ -35,5 +36,8 @@ __all__ = [
     "RoomState",
     "RoomStatus",
     "Slot",
+    "Tls",
+    "async_daemon_status",
+    "daemon_status",
     "default_socket",
 ]

@@ -10,7 +10,6 @@ from typing import Any
 import grpc
 
 from kvxfer_client._common import (
-    CHANNEL_OPTIONS,
     RING_READY_TIMEOUT_S,
     Chunk,
     KvxferError,
@@ -24,7 +23,9 @@ from kvxfer_client._common import (
     RoomStatus,
     Slot,
     SpareSlot,
+    Tls,
     acquire_request,
+    aio_channel,
     bytes_tensor,
     chunk_request,
     enqueue_results,
@@ -35,7 +36,6 @@ from kvxfer_client._common import (
     room_pb,
     room_status,
     still_pending,
-    target,
     watermark_request,
     wrap_rpc_error,
 )
@@ -46,9 +46,9 @@ from kvxfer_client._pinned import check_can_pin, gpu_ring_for
 class _AsyncEngineClient:
     role = 0
 
-    def __init__(self, *, socket: str | None = None, call_timeout: float = 10.0) -> None:
+    def __init__(self, *, socket: str | None = None, call_timeout: float = 10.0, tls: Tls | None = None) -> None:
         self.layout: Layout | None = None
-        self._channel = grpc.aio.insecure_channel(target(socket), options=CHANNEL_OPTIONS)
+        self._channel = aio_channel(socket, tls)
         self.stub = engine_pb2_grpc.EngineStub(self._channel)
         self._timeout = call_timeout
         self.reg: Registration | None = None
@@ -61,9 +61,9 @@ class _AsyncEngineClient:
         cls, *, group: str, layout: Layout, tp_size: int = 1, tp_rank: int = 0, ring_bytes: int = 64 << 20,
         socket: str | None = None, name: str = "", lease_ms: int = 0, cuda_ring: dict[str, Any] | None = None,
         map_pool: bool = True, call_timeout: float = 10.0, ring_tensor: Any = None,
-        zero_copy: bool = False, kv_device: str = "", pin_host: bool = False,
+        zero_copy: bool = False, kv_device: str = "", pin_host: bool = False, tls: Tls | None = None,
     ) -> Any:
-        self = cls(socket=socket, call_timeout=call_timeout)
+        self = cls(socket=socket, call_timeout=call_timeout, tls=tls)
         self.layout = layout
         # kv_device="cuda:N": the daemon says which staging is fast there, a GPU ring or a pinned host ring.
         pin = pin_host
@@ -305,3 +305,13 @@ class AsyncDecodeReceiver(_AsyncEngineClient):
             if not fresh:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.005)
+
+
+async def async_daemon_status(socket: str | None = None, tls: Tls | None = None,
+                              timeout: float = 5.0) -> engine_pb2.DaemonStatus:
+    """The daemon's GetStatus (engines, peers, rooms, caps), without registering an engine."""
+    async with aio_channel(socket, tls) as ch:
+        try:
+            return await engine_pb2_grpc.EngineStub(ch).GetStatus(engine_pb2.GetStatusRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise wrap_rpc_error(exc) from None

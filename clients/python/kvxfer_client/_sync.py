@@ -10,7 +10,6 @@ from typing import Any
 import grpc
 
 from kvxfer_client._common import (
-    CHANNEL_OPTIONS,
     RING_READY_TIMEOUT_S,
     Chunk,
     KvxferError,
@@ -24,6 +23,7 @@ from kvxfer_client._common import (
     RoomStatus,
     Slot,
     SpareSlot,
+    Tls,
     acquire_request,
     bytes_tensor,
     chunk_request,
@@ -35,7 +35,7 @@ from kvxfer_client._common import (
     room_pb,
     room_status,
     still_pending,
-    target,
+    sync_channel,
     watermark_request,
     wrap_rpc_error,
 )
@@ -52,9 +52,9 @@ class _EngineClient:
         self, *, group: str, layout: Layout, tp_size: int = 1, tp_rank: int = 0, ring_bytes: int = 64 << 20,
         socket: str | None = None, name: str = "", lease_ms: int = 0, cuda_ring: dict[str, Any] | None = None,
         map_pool: bool = True, call_timeout: float = 10.0, ring_tensor: Any = None,
-        zero_copy: bool = False, kv_device: str = "", pin_host: bool = False,
+        zero_copy: bool = False, kv_device: str = "", pin_host: bool = False, tls: Tls | None = None,
     ) -> None:
-        self._channel = grpc.insecure_channel(target(socket), options=CHANNEL_OPTIONS)
+        self._channel = sync_channel(socket, tls)
         self.stub = engine_pb2_grpc.EngineStub(self._channel)
         self._timeout = call_timeout
         # kv_device="cuda:N": the daemon says which staging is fast there, a GPU ring or a pinned host ring.
@@ -309,3 +309,12 @@ class DecodeReceiver(_EngineClient):
             if not fresh:
                 time.sleep(delay)
                 delay = min(delay * 2, 0.005)
+
+
+def daemon_status(socket: str | None = None, tls: Tls | None = None, timeout: float = 5.0) -> engine_pb2.DaemonStatus:
+    """The daemon's GetStatus (engines, peers, rooms, caps), without registering an engine."""
+    with sync_channel(socket, tls) as ch:
+        try:
+            return engine_pb2_grpc.EngineStub(ch).GetStatus(engine_pb2.GetStatusRequest(), timeout=timeout)
+        except grpc.RpcError as exc:
+            raise wrap_rpc_error(exc) from None

@@ -1,0 +1,100 @@
+"""Room behaviours engine adapters reported (issue #14): a prefill rank may poll a room of its
+group before its first chunk; ReleaseRoom by one prefill rank does not forget a room another rank
+has not joined yet; bootstrapping into a FAILED room reports that room's own failure, not MISMATCH.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvxfer_client import DecodeReceiver, KvxferError, Layout, PrefillSender, RoomFailed, RoomState
+from tests.conftest import DaemonProc, spawn_daemon, stop_all, wait_ready
+from tests.faults.harness import wait_until
+
+LAYOUT = Layout(num_layers=2, total_kv_heads=2, head_dim=16, dtype_bytes=2, page_size=16)
+HEAD_TOKEN = 2 * 2 * 16 * 2  # bytes of one head for one token (layers x K/V x head_dim x dtype)
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[tuple[DaemonProc, DaemonProc]]:
+    wd = Path(tempfile.mkdtemp(prefix="kvxe-"))
+    pre, dec = spawn_daemon(wd, "pre", wait=False), spawn_daemon(wd, "dec", wait=False)
+    try:
+        wait_ready(pre)
+        wait_ready(dec)
+        yield pre, dec
+    finally:
+        stop_all(pre, dec)
+        shutil.rmtree(wd, ignore_errors=True)
+
+
+def polled(tx: PrefillSender, room: int) -> RoomState | None:
+    try:
+        return tx.poll(room).state
+    except KvxferError:
+        return None
+
+
+def test_ranks_of_a_group_see_its_rooms_before_their_first_chunk_and_release_forgets_nothing(
+        pair: tuple[DaemonProc, DaemonProc]) -> None:
+    pre, dec = pair
+    ranks = [PrefillSender(socket=pre.socket, group="tp2", layout=LAYOUT, tp_size=2, tp_rank=r,
+                           ring_bytes=1 << 20) for r in (0, 1)]
+    try:
+        r0, r1 = ranks
+        with DecodeReceiver(socket=dec.socket, group="d1", layout=LAYOUT, ring_bytes=1 << 20) as rx:
+            # Room 1: rank 1 polls the room the decode side bootstrapped, before its own first chunk.
+            rx.expect(1, pre.peer_address, "tp2", 16)
+            wait_until(lambda: polled(r1, 1) is not None, 10, "the bootstrapped room to be visible to rank 1")
+            st = r1.poll(1)
+            assert st.state in (RoomState.BOOTSTRAPPING, RoomState.WAITING_FOR_INPUT) and st.chunks_done == 0
+            parts = [bytes([0x10 + r]) * (16 * HEAD_TOKEN) for r in (0, 1)]
+            for r, tx in enumerate(ranks):
+                tx.send_chunk(1, 0, 0, 16, parts[r], last=True)
+            got, _ = rx.receive(1, timeout=30)
+            assert got[0] == parts[0] + parts[1]  # the reader's slot holds head 0, then head 1
+            for tx in ranks:
+                assert tx.wait(1, timeout=10).chunks_done == 1
+                tx.release(1)
+            rx.release(1)
+            # Room 2: it fails after rank 0 joined; rank 0 releases it. Rank 1 must still find it
+            # FAILED (not open a new room nobody bootstraps, holding its slots until the deadline).
+            rx.expect(2, pre.peer_address, "tp2", 16)
+            r0.send_chunk(2, 0, 0, 16, parts[0], last=True)
+            rx.abort(2, "client went away")
+            wait_until(lambda: polled(r0, 2) is RoomState.FAILED, 10, "rank 0 to see the abort")
+            r0.release(2)
+            st = r1.poll(2)
+            assert st.state is RoomState.FAILED and st.failure_code == "ABORTED" and "client went away" in st.failure_reason
+            with pytest.raises(KvxferError) as ei:
+                r1.send_chunk(2, 0, 0, 16, parts[1], last=True)
+            assert ei.value.code.name == "FAILED_PRECONDITION" and "client went away" in ei.value.message
+            r1.release(2)
+            rx.release(2)
+    finally:
+        for tx in ranks:
+            tx.close()
+
+
+def test_bootstrapping_into_a_failed_room_reports_its_own_failure(pair: tuple[DaemonProc, DaemonProc]) -> None:
+    pre, dec = pair
+    with PrefillSender(socket=pre.socket, group="tp1", layout=LAYOUT, ring_bytes=1 << 20) as tx, \
+            DecodeReceiver(socket=dec.socket, group="d2", layout=LAYOUT, ring_bytes=1 << 20) as rx:
+        tx.send_chunk(3, 0, 0, 16, b"\1" * (32 * HEAD_TOKEN), last=True)
+        tx.abort(3, "prefill gave up")
+        rx.expect(3, pre.peer_address, "tp1", 16)
+        with pytest.raises(RoomFailed) as ei:
+            rx.receive(3, timeout=30)
+        assert ei.value.failure_code == "ABORTED", ei.value
+        assert "prefill gave up" in ei.value.reason
+        # A room the decode side gave up on before the prefill side had it: a rank's poll says so.
+        rx.expect(4, pre.peer_address, "tp1", 16)
+        rx.abort(4, "decode gave up")
+        wait_until(lambda: polled(tx, 4) is RoomState.FAILED, 10, "the prefill rank to see room 4 FAILED")
+        st = tx.poll(4)
+        assert st.failure_code == "ABORTED" and "decode gave up" in st.failure_reason
