@@ -383,11 +383,6 @@ class PeerManager:
         while True:
             await asyncio.sleep(interval / 4)
             now = time.monotonic()
-            import os
-            if os.environ.get("KVX_DBG"):
-                logger.warning("DBG workers in flight %d; windows %s", self._workers.in_flight, [
-                    (h.daemon_id, [(len(w.ranges), w.alloc.used_bytes >> 20) for w in h.window.held.values()],
-                     {k: len(v) for k, v in h.window._waiters.items()}) for h in self._by_id.values()])
             for h in set(self._by_id.values()):
                 if not h.up:
                     continue
