@@ -9,7 +9,6 @@ Real subprocess daemons, real gRPC and NIXL over loopback; the hostile client is
 from __future__ import annotations
 
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -17,7 +16,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
@@ -28,25 +26,18 @@ import grpc
 import pytest
 
 from kvxfer_client import DecodeReceiver, Layout, PrefillSender, RoomFailed
-from kvxfer_client._pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
+from kvxfer_client._pb.kvxfer.v1 import peer_pb2
 from kvxferd.config import Config, ConfigError, load_config
 from kvxferd.domain import DaemonRef
-from kvxferd.metrics import Metrics
-from kvxferd.peer_auth import PeerAuth, Proof
+from kvxferd.peer_auth import Proof
 from kvxferd.peer_link import proof_of, proof_pb
 from tests.conftest import ROOT, DaemonProc, daemon_env, spawn_daemon, wait_ready
+from tests.peer_client import Client, caps, code_of, metric, secret_file, status
 
 LAYOUT = Layout(num_layers=2, total_kv_heads=2, head_dim=16, dtype_bytes=2, page_size=16)
 CHUNK = 16 * 256  # bytes of 16 tokens of LAYOUT
 FLOOD = int(os.environ.get("KVX_FLOOD_HANDSHAKES", "1000"))
 OK, DENIED, EXHAUSTED = grpc.StatusCode.OK, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED
-
-
-def _secret_file(d: Path, name: str, secret: bytes) -> Path:
-    path = d / f"{name}.secret"
-    path.write_bytes(secret + b"\n")
-    path.chmod(0o600)
-    return path
 
 
 @dataclass
@@ -66,8 +57,8 @@ def fleet() -> Iterator[Fleet]:
     si      listens on 0.0.0.0 with insecure_peers."""
     wd = Path(tempfile.mkdtemp(prefix="kvxa-"))
     secret = secrets.token_hex(24).encode()
-    files = {n: _secret_file(wd, n, secret) for n in ("sa", "sb")}
-    files["sx"] = _secret_file(wd, "sx", secrets.token_hex(24).encode())
+    files = {n: secret_file(wd, n, secret) for n in ("sa", "sb")}
+    files["sx"] = secret_file(wd, "sx", secrets.token_hex(24).encode())
     specs: dict[str, list[str]] = {
         "sa": ["--set", f"peer_secret_file={files['sa']}"],
         "sb": ["--set", f"peer_secret_file={files['sb']}", "--set", "peer_secret_overlap_s=3"],
@@ -97,52 +88,6 @@ def agent() -> Iterator[Any]:
     t = NixlTransport(f"kvx-auth-{os.getpid()}", progress_thread=False)
     yield t
     t.close()
-
-
-def status(d: DaemonProc) -> engine_pb2.DaemonStatus:
-    with grpc.insecure_channel(f"unix:{d.socket}") as ch:
-        return engine_pb2_grpc.EngineStub(ch).GetStatus(engine_pb2.GetStatusRequest(), timeout=10)
-
-
-def caps(d: DaemonProc) -> dict[str, tuple[int, int]]:
-    return {c.name: (c.used, c.limit) for c in status(d).peer_caps}
-
-
-def metric(d: DaemonProc, name: str, labels: str) -> float:
-    body = urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics", timeout=10).read().decode()
-    m = re.search(rf"^{re.escape(name)}\{{{re.escape(labels)}\}} (\S+)$", body, re.M)
-    return float(m.group(1)) if m else 0.0
-
-
-def code_of(fn: Callable[[], Any]) -> tuple[grpc.StatusCode, str]:
-    try:
-        fn()
-    except grpc.RpcError as exc:
-        return exc.code(), exc.details() or ""  # type: ignore[no-any-return]
-    return OK, ""
-
-
-class Client:
-    """A hostile (or, with the right secret, legitimate) peer made by hand."""
-
-    def __init__(self, d: DaemonProc, secret: bytes | None, tmp: Path) -> None:
-        path = _secret_file(tmp, f"client-{secrets.token_hex(4)}", secret) if secret else None
-        cfg = load_config(None, env={}, overrides={"socket": str(tmp / "c.sock"), "metrics_port": -1,
-                                                   "peer_secret_file": str(path) if path else ""})
-        self.auth = PeerAuth(cfg, Metrics())
-        self.channel = grpc.insecure_channel(d.peer_address)
-        self.stub = peer_pb2_grpc.PeerStub(self.channel)
-
-    def request(self, ref: DaemonRef, agent: str, md: bytes, key: bytes | None = None,
-                proof: Proof | None = None) -> peer_pb2.HandshakeRequest:
-        if proof is None and key is not None:
-            proof = self.auth.request_proof(ref, agent, md, key)
-        return peer_pb2.HandshakeRequest(
-            sender=peer_pb2.DaemonRef(daemon_id=ref.daemon_id, instance_id=ref.instance_id, address=ref.address),
-            agent_name=agent, nixl_metadata=md, version="test", proof=proof_pb(proof))
-
-    def close(self) -> None:
-        self.channel.close()
 
 
 def one_room(tx_d: DaemonProc, rx_d: DaemonProc, room: int, mid: Callable[[], None] | None = None) -> None:
@@ -178,15 +123,15 @@ def test_peer_auth_modes_and_their_config_errors(tmp_path: Path) -> None:
         load_config(None, env={}, overrides={**sock, "peer_listen": "0.0.0.0:7471"})
     insecure = load_config(None, env={}, overrides={**sock, "peer_listen": "0.0.0.0:7471", "insecure_peers": True})
     assert insecure.peer_auth_mode == "insecure"
-    good = _secret_file(tmp_path, "good", b"s" * 32)
+    good = secret_file(tmp_path, "good", b"s" * 32)
     cfg = load_config(None, env={}, overrides={**sock, "peer_listen": "0.0.0.0:7471", "peer_secret_file": str(good)})
     assert cfg.peer_auth_mode == "secret"
-    loose = _secret_file(tmp_path, "loose", b"s" * 32)
+    loose = secret_file(tmp_path, "loose", b"s" * 32)
     loose.chmod(0o640)
     with pytest.raises(ConfigError, match=r"accessible by group or others .*chmod 600"):
         load_config(None, env={}, overrides={**sock, "peer_secret_file": str(loose)})
     with pytest.raises(ConfigError, match="fewer than 16 bytes"):
-        load_config(None, env={}, overrides={**sock, "peer_secret_file": str(_secret_file(tmp_path, "short", b"x"))})
+        load_config(None, env={}, overrides={**sock, "peer_secret_file": str(secret_file(tmp_path, "short", b"x"))})
     with pytest.raises(ConfigError, match="choose one"):
         Config(socket=sock["socket"], peer_secret_file=str(good), tls_client_auth=True, tls_ca=str(good),
                tls_cert=str(good), tls_key=str(good)).validate()
@@ -288,7 +233,7 @@ def test_secret_rotation_accepts_the_previous_secret_for_the_overlap(fleet: Flee
 
     try:
         assert handshake(new_c, 1) == DENIED
-        _secret_file(fleet.workdir, "sb", new)  # rewrites sb's file in place
+        secret_file(fleet.workdir, "sb", new)  # rewrites sb's file in place
         time.sleep(1.5)  # the file is looked at once a second at most
         assert handshake(new_c, 2) == OK
         assert handshake(old_c, 3) == OK, "the previous secret was refused inside the overlap"
@@ -297,7 +242,7 @@ def test_secret_rotation_accepts_the_previous_secret_for_the_overlap(fleet: Flee
         assert handshake(new_c, 5) == OK
         assert "rotated" in sb.log_text() and fleet.secret.decode() not in sb.log_text()
     finally:
-        _secret_file(fleet.workdir, "sb", fleet.secret)
+        secret_file(fleet.workdir, "sb", fleet.secret)
         old_c.close()
         new_c.close()
         time.sleep(1.5)
