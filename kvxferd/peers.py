@@ -111,7 +111,14 @@ class PeerManager:
             return h
         async with h.lock:
             if not h.up or h.md_epoch_sent != self.ident.md_epoch:
-                await self.handshake(h)
+                try:
+                    await self.handshake(h)
+                except Exception:
+                    # Nobody we know answered there: keep no link (nor its channel) for it, so
+                    # addresses that never handshook do not pile up.
+                    if address not in self.config.peers:
+                        self._drop_unused(h, fresh=True)
+                    raise
             if h.session is None:
                 if h.is_self:
                     # Rooms between two engines of this daemon: the "stream" is a direct hand-off.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import secrets
+import socket
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,15 @@ from kvxferd.peer_link import proof_of, proof_pb
 from tests.conftest import DaemonProc
 
 OK = grpc.StatusCode.OK
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then closed)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = int(s.getsockname()[1])
+    s.close()
+    return port
 
 
 def secret_file(d: Path, name: str, secret: bytes) -> Path:

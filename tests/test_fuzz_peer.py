@@ -23,7 +23,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -41,7 +40,7 @@ from kvxfer_client._pb.kvxfer.v1 import common_pb2, peer_pb2
 from kvxferd.domain import DaemonRef
 from kvxferd.peer_auth import Proof
 from tests.conftest import DaemonProc, spawn_daemon, wait_ready
-from tests.peer_client import Client, caps, code_of, secret_file, status
+from tests.peer_client import Client, caps, closed_port, code_of, secret_file, status
 
 BASE = int(os.environ.get("KVX_FUZZ_EXAMPLES", "150"))
 CLEAN = {
@@ -54,14 +53,6 @@ CHUNK = 16 * 256
 U64 = (1 << 64) - 1
 U32 = (1 << 32) - 1
 T = 10.0
-
-
-def _closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return int(port)
 
 
 @dataclass
@@ -115,7 +106,7 @@ def world() -> Iterator[World]:
         p_instance = probe.stub.Heartbeat(peer_pb2.HeartbeatRequest(), timeout=T).sender.instance_id
         probe.close()
         w = World(d, p, agent, *clients, rx, tx, d_prefill,
-                  DaemonRef("hostile", "h-1", f"127.0.0.1:{_closed_port()}"), p_instance)
+                  DaemonRef("hostile", "h-1", f"127.0.0.1:{closed_port()}"), p_instance)
         legit_room(w, forged=None)  # warm: the pair is handshaken with a live session
         yield w
         print(f"peer fuzz: {w.examples} examples; status codes: {dict(sorted(w.codes.items()))}")

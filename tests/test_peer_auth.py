@@ -32,7 +32,7 @@ from kvxferd.domain import DaemonRef
 from kvxferd.peer_auth import Proof
 from kvxferd.peer_link import proof_of, proof_pb
 from tests.conftest import ROOT, DaemonProc, daemon_env, spawn_daemon, wait_ready
-from tests.peer_client import Client, caps, code_of, metric, secret_file, status
+from tests.peer_client import Client, caps, closed_port, code_of, metric, secret_file, status
 
 LAYOUT = Layout(num_layers=2, total_kv_heads=2, head_dim=16, dtype_bytes=2, page_size=16)
 CHUNK = 16 * 256  # bytes of 16 tokens of LAYOUT
@@ -373,7 +373,8 @@ def test_garbage_handshakes_leave_nothing_behind(fleet: Fleet, agent: Any, tmp_p
 
 def test_handshakes_with_bad_metadata_leave_no_link(fleet: Fleet, tmp_path: Path) -> None:
     """Without a secret (loopback), a handshake whose NIXL metadata does not load is refused and
-    leaves no link (no gRPC channel, no address) behind: the address count is unchanged."""
+    leaves no link (no gRPC channel, no address) behind: the address count is unchanged. So does
+    a dial to an address where nothing answers."""
     sn = fleet.d["sn"]
     c = Client(sn, None, tmp_path)
     before = caps(sn)["peer_addresses"]
@@ -385,3 +386,11 @@ def test_handshakes_with_bad_metadata_leave_no_link(fleet: Fleet, tmp_path: Path
         c.close()
     assert caps(sn)["peer_addresses"] == before
     assert not any(p.daemon_id.startswith("bad-") for p in status(sn).peers)
+    # Dialing out to addresses where no daemon answers leaves no link behind either.
+    with DecodeReceiver(socket=sn.socket, group="nowhere", layout=LAYOUT, ring_bytes=1 << 20) as rx:
+        for i in range(10):
+            rx.expect(500 + i, f"127.0.0.1:{closed_port()}", "g", 16)
+        for i in range(10):
+            with pytest.raises(RoomFailed):
+                rx.receive(500 + i, timeout=30)
+    assert caps(sn)["peer_addresses"] == before
