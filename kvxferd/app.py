@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import grp
-import ipaddress
 import json
 import logging
 import os
@@ -32,7 +31,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvxfer_client._pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
 from kvxferd import __version__
-from kvxferd.config import Config
+from kvxferd.config import Config, loopback_listen
 from kvxferd.domain import FailureCode
 from kvxferd.faults import FAULT_CONTROL_SUFFIX, PostDelay, fault_control
 from kvxferd.memory import HostPool
@@ -117,12 +116,7 @@ def _ucx_devices(config: Config) -> Iterator[None]:
     operator picked devices (UCX_NET_DEVICES), a loopback-only daemon keeps UCX on `lo` too.
     UCX reads the variable when the agent is created; it is restored afterwards so in-process
     daemons (tests) do not leak it into each other or into processes they start."""
-    host = config.peer_listen.rpartition(":")[0].strip("[]")
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if "UCX_NET_DEVICES" in os.environ or not loopback:
+    if "UCX_NET_DEVICES" in os.environ or not loopback_listen(config.peer_listen):
         yield
         return
     os.environ["UCX_NET_DEVICES"] = "lo"
@@ -248,7 +242,7 @@ async def _start(d: _Daemon, ready: Callable[[Ready], None] | None) -> None:
     peer_server = grpc.aio.server(options=[*opts, ("grpc.so_reuseport", 0)])
     d.servers = [engine_server, peer_server]
     engine_pb2_grpc.add_EngineServicer_to_server(
-        EngineServicer(node, metrics, _cuda_importer(transport)), engine_server)
+        EngineServicer(node, metrics, _cuda_importer(transport), peers.status), engine_server)
     peer_servicer = PeerServicer(ident, peers, transport)
     wrap_servicer(peer_servicer, "Peer", metrics, PEER_UNARY)
     peer_pb2_grpc.add_PeerServicer_to_server(peer_servicer, peer_server)
@@ -314,10 +308,13 @@ async def _start(d: _Daemon, ready: Callable[[Ready], None] | None) -> None:
     if injector is not None:
         d.background.append(asyncio.ensure_future(fault_control(
             config.socket + FAULT_CONTROL_SUFFIX, injector, delays, transport, ident, workers.run_blocking)))
+    if peers.auth.mode == "insecure":
+        logger.warning("insecure_peers: the peer service on %s accepts unauthenticated peers; any host that "
+                       "reaches it can claim any daemon id (set peer_secret_file or mTLS)", ident.address)
     logger.info(
-        "kvxferd %s serving: daemon %s, socket %s, peer %s, metrics %s:%d, pool %d MiB",
+        "kvxferd %s serving: daemon %s, socket %s, peer %s, metrics %s:%d, pool %d MiB, peer auth %s",
         __version__, ident.daemon_id, config.socket, ident.address, config.metrics_host, metrics_port,
-        pool.size >> 20,
+        pool.size >> 20, peers.auth.mode,
     )
     if ready is not None:
         ready(Ready(ident.daemon_id, config.socket, ident.address, metrics_port, engine_tcp, os.getpid()))

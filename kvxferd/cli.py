@@ -130,6 +130,7 @@ def _status(args: argparse.Namespace) -> int:
     head.add_row("host pool", f"{st.pool_bytes / 2**20:.0f} MiB")
     head.add_row("slots held", str(st.slots_held))
     head.add_row("fleet registry", registry)
+    head.add_row("peer auth", st.peer_auth)
     con.print(head)
     rooms = Table(title="rooms by state")
     rooms.add_column("state")
@@ -159,6 +160,12 @@ def _status(args: argparse.Namespace) -> int:
     for p in st.peers:
         peers.add_row(p.daemon_id, p.address, p.state, str(p.rooms))
     con.print(peers)
+    caps = Table(title="peer caps")
+    for col in ("cap", "used", "limit"):
+        caps.add_column(col, justify="left" if col == "cap" else "right")
+    for c in st.peer_caps:
+        caps.add_row(c.name, str(c.used), str(c.limit))
+    con.print(caps)
     return 0
 
 

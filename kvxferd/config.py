@@ -6,8 +6,10 @@ at start, and a bad value stops the daemon with one clear line.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -44,6 +46,41 @@ def parse_size(value: object) -> int:
         raise ConfigError(f"expected a size like 268435456 or '256MiB', got {value!r}")
     unit = (m.group(2) or "").upper()[:1]
     return int(m.group(1)) * _SIZE_MULT[unit]
+
+
+# Messages per PeerBatch: a sender splits its backlog at this many, a receiver refuses more than its
+# `max_peer_batch_msgs` (never below this, or it would refuse well-behaved peers).
+PEER_BATCH_MSGS = 4096
+# Shortest shared peer secret accepted (bytes, surrounding whitespace removed).
+MIN_SECRET_BYTES = 16
+PEER_AUTH_MODES = ("mtls", "secret", "none-loopback", "insecure")
+
+
+def loopback_listen(hostport: str) -> bool:
+    """True if HOST:PORT binds a loopback address only (nothing off this host can connect)."""
+    host = hostport.rpartition(":")[0].strip("[]")
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def read_secret_file(path: str) -> bytes:
+    """The shared peer secret; refused if anyone but the owner may access the file."""
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"peer_secret_file {path!r} is not a regular file")
+        if st.st_mode & 0o077:
+            raise ConfigError(f"peer_secret_file {path!r} is accessible by group or others "
+                              f"(mode {stat.S_IMODE(st.st_mode):04o}); chmod 600 it")
+        with open(path, "rb") as fh:
+            secret = fh.read(64 << 10).strip()
+    except OSError as exc:
+        raise ConfigError(f"peer_secret_file {path!r} cannot be read: {exc.strerror}") from exc
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError(f"peer_secret_file {path!r} holds fewer than {MIN_SECRET_BYTES} bytes")
+    return secret
 
 
 @dataclass(frozen=True)
@@ -94,6 +131,17 @@ class Config:
     tls_key: str = ""
     tls_ca: str = ""
     tls_client_auth: bool = False
+    # Peer authentication without mTLS: a file (mode 0600) holding a secret shared by the fleet.
+    # Re-read when it changes; the previous secret is still accepted for peer_secret_overlap_s.
+    peer_secret_file: str = ""
+    peer_secret_overlap_s: float = 120.0
+    # Allow unauthenticated peers on a non-loopback peer_listen (no mTLS, no secret).
+    insecure_peers: bool = False
+    # Peer-side caps: refused with RESOURCE_EXHAUSTED, shown in status and kvxferd_cap_* metrics.
+    max_peers: int = 256
+    max_pending_handshakes: int = 16
+    max_peer_metadata_bytes: int = 1 << 20
+    max_peer_batch_msgs: int = PEER_BATCH_MSGS
     # Fleet registry ([registry] table in the file; KVXFERD_REGISTRY_* in the environment).
     # "none": rooms name their prefill daemon's address; "etcd": daemons publish themselves
     # under a lease and rooms may name a prefill group only.
@@ -169,11 +217,42 @@ class Config:
             path = getattr(self, key)
             if path and not Path(path).is_file():
                 raise ConfigError(f"{key}: no such file {path!r}")
+        self._validate_peer_auth()
         self._validate_registry()
         if not Path(self.shm_dir).is_dir():
             raise ConfigError(f"shm_dir {self.shm_dir!r} is not a directory")
         _check_socket_path(self.socket)
         return self
+
+    def _validate_peer_auth(self) -> None:
+        if self.tls_client_auth and self.peer_secret_file:
+            raise ConfigError("peer_secret_file and tls_client_auth are two ways to authenticate peers: choose one")
+        if self.peer_secret_file:
+            read_secret_file(self.peer_secret_file)
+        if self.peer_auth_mode == "insecure" and not self.insecure_peers:
+            raise ConfigError(
+                f"peer_listen {self.peer_listen} is not loopback and peers are not authenticated: set "
+                "tls_client_auth (mTLS with tls_ca), peer_secret_file, or insecure_peers = true")
+        if not 0 <= self.peer_secret_overlap_s <= 86400:
+            raise ConfigError(f"peer_secret_overlap_s must be 0..86400, got {self.peer_secret_overlap_s}")
+        if not 1 <= self.max_peers <= 65536:
+            raise ConfigError(f"max_peers must be 1..65536, got {self.max_peers}")
+        if not 1 <= self.max_pending_handshakes <= 4096:
+            raise ConfigError(f"max_pending_handshakes must be 1..4096, got {self.max_pending_handshakes}")
+        # A handshake is a gRPC request too: max_message_bytes bounds it whatever this says.
+        if not 4096 <= self.max_peer_metadata_bytes <= 1 << 30:
+            raise ConfigError(f"max_peer_metadata_bytes must be 4096..1GiB, got {self.max_peer_metadata_bytes}")
+        if not PEER_BATCH_MSGS <= self.max_peer_batch_msgs <= 1 << 20:
+            raise ConfigError(f"max_peer_batch_msgs must be {PEER_BATCH_MSGS}..1048576, got {self.max_peer_batch_msgs}")
+
+    @property
+    def peer_auth_mode(self) -> str:
+        """How peers prove who they are: one of PEER_AUTH_MODES."""
+        if self.tls_client_auth:
+            return "mtls"
+        if self.peer_secret_file:
+            return "secret"
+        return "none-loopback" if loopback_listen(self.peer_listen) else "insecure"
 
     def _validate_registry(self) -> None:
         if self.registry_backend not in ("none", "etcd"):
@@ -255,7 +334,7 @@ def _coerce(key: str, value: Any) -> Any:
     f = _FIELDS[key]
     typ = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
     try:
-        if key in ("host_pool_bytes", "max_message_bytes"):
+        if key in ("host_pool_bytes", "max_message_bytes", "max_peer_metadata_bytes"):
             return parse_size(value)
         if key == "socket_mode":
             if isinstance(value, str):

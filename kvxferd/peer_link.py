@@ -9,6 +9,7 @@ has been silent for a heartbeat interval; the other side counts any batch as a s
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -17,18 +18,21 @@ from typing import Any
 import grpc
 
 from kvxfer_client._pb.kvxfer.v1 import common_pb2, peer_pb2, peer_pb2_grpc
-from kvxferd.config import Config
+from kvxferd.config import PEER_BATCH_MSGS, Config
 from kvxferd.convert import layout_pb, room_key_pb, zero_copy_target_pb
 from kvxferd.credits import CreditWindow
 from kvxferd.domain import FailureCode, RoomKey
 from kvxferd.metrics import Metrics
+from kvxferd.peer_auth import Binding, Proof
 from kvxferd.ports import BootstrapAnswer, BootstrapMsg, CreditSpec
 
 logger = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT_S = 5.0
 # At most this many messages per batch: a bounded message size whatever the backlog.
-MAX_BATCH = 4096
+MAX_BATCH = PEER_BATCH_MSGS
+# Handshakes with one peer instance a Session Hello may be bound to (two sides may handshake at once).
+BINDINGS_KEPT = 4
 
 
 def channel_credentials(config: Config) -> grpc.ChannelCredentials | None:
@@ -36,6 +40,20 @@ def channel_credentials(config: Config) -> grpc.ChannelCredentials | None:
         return None
     key, cert, ca = config.tls_material()
     return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+
+def proof_pb(proof: Proof | None) -> peer_pb2.PeerProof | None:
+    if proof is None:
+        return None
+    return peer_pb2.PeerProof(nonce=proof.nonce, unix_ms=proof.unix_ms, mac=proof.mac, peer_nonce=proof.peer_nonce)
+
+
+def proof_of(msg: Any) -> Proof | None:
+    """The PeerProof field of a HandshakeRequest, HandshakeReply or Hello, if set."""
+    if not msg.HasField("proof"):
+        return None
+    p = msg.proof
+    return Proof(bytes(p.nonce), p.unix_ms, bytes(p.mac), bytes(p.peer_nonce))
 
 
 def grpc_options(config: Config) -> list[tuple[str, int]]:
@@ -72,6 +90,8 @@ class PeerLink:
         # The instance we last lost (or "" if never): a session that comes up again tells the
         # ledger, which then settles the credits revoked at the loss.
         self.lost_instance = ""
+        # Handshakes completed with this instance (shared-secret mode), newest last.
+        self.bindings: collections.deque[Binding] = collections.deque(maxlen=BINDINGS_KEPT)
         self.window = CreditWindow(self, metrics)
         self.lock = asyncio.Lock()
         self._interval = config.heartbeat_interval_s

@@ -16,11 +16,11 @@ import grpc
 
 from kvxfer_client._pb.kvxfer.v1 import peer_pb2, peer_pb2_grpc
 from kvxferd import __version__
-from kvxferd.config import _valid_hostport
 from kvxferd.convert import daemon_ref, daemon_ref_pb
 from kvxferd.domain import DaemonRef
-from kvxferd.errors import InvalidArgument, KvxferError, PermissionDenied
-from kvxferd.peer_link import CONTROL_TIMEOUT_S, Session
+from kvxferd.errors import KvxferError
+from kvxferd.peer_auth import PeerCreds, ids_from_auth_context
+from kvxferd.peer_link import CONTROL_TIMEOUT_S, Session, proof_of, proof_pb
 from kvxferd.peers import PeerManager
 from kvxferd.ports import Identity
 from kvxferd.servicer import status_of
@@ -29,6 +29,14 @@ from kvxferd.transport import Transport
 logger = logging.getLogger(__name__)
 
 PEER_UNARY = ("Handshake", "Heartbeat")
+
+
+def creds_of(context: Any) -> PeerCreds:
+    """The daemon ids the caller's verified client certificate names (none without mTLS)."""
+    ctx = context.auth_context()
+    if not ctx.get("x509_pem_cert"):
+        return PeerCreds()
+    return PeerCreds(ids_from_auth_context(ctx))
 
 
 class PeerServicer(peer_pb2_grpc.PeerServicer):
@@ -41,28 +49,12 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         return daemon_ref_pb(DaemonRef(self._ident.daemon_id, self._ident.instance_id, self._ident.address))
 
     async def Handshake(self, request: peer_pb2.HandshakeRequest, context: grpc.aio.ServicerContext) -> peer_pb2.HandshakeReply:
-        ref = daemon_ref(request.sender)
-        if not request.nixl_metadata or not request.agent_name:
-            raise InvalidArgument("agent_name and nixl_metadata are required")
-        # This daemon may dial the address back: only HOST:PORT, nothing a resolver would have to
-        # guess at (no bare names, no schemes).
-        if not _valid_hostport(ref.address):
-            raise InvalidArgument(f"sender.address must be HOST:PORT, got {ref.address[:100]!r}")
-        # Claiming the address of another daemon that is up would re-bind its link (failing its
-        # rooms, pointing its NIXL agent elsewhere): only a daemon gone silent can be replaced.
-        known = self._m.by_address(ref.address)
-        if known is not None and known.up and known.daemon_id and known.daemon_id != ref.daemon_id:
-            raise PermissionDenied(f"{ref.address} belongs to daemon {known.daemon_id!r}, which is up")
-        h = self._m.link(ref.address)
-        try:
-            await self._m.adopt(h, ref, request.agent_name, bytes(request.nixl_metadata))
-        except KvxferError:
-            raise
-        except Exception as exc:
-            raise InvalidArgument(f"cannot load the peer's NIXL metadata: {exc}") from exc
+        proof, metadata = await self._m.accept_handshake(
+            daemon_ref(request.sender), request.agent_name, bytes(request.nixl_metadata), proof_of(request),
+            creds_of(context))
         return peer_pb2.HandshakeReply(
-            sender=self._me(), agent_name=self._transport.name, nixl_metadata=self._transport.metadata(),
-            version=__version__,
+            sender=self._me(), agent_name=self._transport.name, nixl_metadata=metadata, version=__version__,
+            proof=proof_pb(proof),
         )
 
     async def Session(self, request_iterator: AsyncIterator[peer_pb2.PeerBatch], context: Any) -> None:
@@ -84,7 +76,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
 
         session = Session(context.write, _cancel)
         try:
-            h = await self._m.accept(first.msgs[0].hello, session)
+            h = await self._m.accept(first.msgs[0].hello, session, creds_of(context))
         except KvxferError as exc:
             await context.abort(status_of(exc), str(exc))
             return
@@ -92,6 +84,9 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         reader = asyncio.ensure_future(self._m.serve_stream(h, session, rest, request_iterator))
         try:
             await asyncio.wait([reader, done], return_when=asyncio.FIRST_COMPLETED)
+            refused = reader.exception() if reader.done() and not reader.cancelled() else None
+            if isinstance(refused, KvxferError):
+                await context.abort(status_of(refused), str(refused))
         finally:
             reader.cancel()
             session.closed = True
@@ -100,4 +95,5 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
                 await asyncio.wait([session.writer], timeout=CONTROL_TIMEOUT_S)
 
     async def Heartbeat(self, request: peer_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext) -> peer_pb2.HeartbeatReply:
+        self._m.check_heartbeat(daemon_ref(request.sender) if request.HasField("sender") else None, creds_of(context))
         return peer_pb2.HeartbeatReply(sender=self._me())

@@ -12,50 +12,27 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 
 from kvxfer_client._pb.kvxfer.v1 import peer_pb2
 from kvxferd import __version__
-from kvxferd.config import Config
-from kvxferd.convert import daemon_ref, daemon_ref_pb, layout, room_key, zero_copy_target
+from kvxferd.config import Config, _valid_hostport
+from kvxferd.convert import daemon_ref, daemon_ref_pb
 from kvxferd.credits import CreditWindow
-from kvxferd.domain import DaemonRef, FailureCode, RoomKey
+from kvxferd.domain import DaemonRef
 from kvxferd.errors import InvalidArgument, KvxferError, PermissionDenied
 from kvxferd.metrics import Metrics
-from kvxferd.peer_link import CONTROL_TIMEOUT_S, PeerLink, Session
-from kvxferd.ports import BootstrapAnswer, BootstrapMsg, CreditSpec, Identity, Link
+from kvxferd.peer_auth import Binding, PeerAuth, PeerCreds, Proof
+from kvxferd.peer_dispatch import PeerInbox, dispatch
+from kvxferd.peer_limits import PeerLimits, PeerStatus
+from kvxferd.peer_link import CONTROL_TIMEOUT_S, PeerLink, Session, proof_of, proof_pb
+from kvxferd.ports import Identity, Link
 from kvxferd.transport import Transport
 from kvxferd.workers import WorkerPool
 
 logger = logging.getLogger(__name__)
-
-_MEMS = ("DRAM", "VRAM")
-
-
-class PeerInbox(Protocol):
-    """What the peer layer delivers to the domain (kvxferd.node.Node implements it)."""
-
-    def on_bootstrap(self, peer: Link, m: BootstrapMsg) -> BootstrapAnswer: ...
-
-    def on_bootstrap_reply(self, peer: Link, ans: BootstrapAnswer) -> None: ...
-
-    def on_credit_request(self, peer: Link, ring: str, nbytes: int) -> None: ...
-
-    def on_credit_return(self, peer: Link, ids: list[int]) -> None: ...
-
-    def on_complete(self, peer: Link, key: RoomKey, reader: int, num_chunks: int, aux: bytes) -> tuple[int, str]: ...
-
-    def on_complete_ack(self, peer: Link, key: RoomKey, reader: int, code: int, message: str) -> None: ...
-
-    def on_abort(self, peer: Link, key: RoomKey, code: FailureCode, reason: str) -> None: ...
-
-    def on_peer_lost(self, peer: Link, reason: str) -> None: ...
-
-    def on_peer_back(self, peer: Link, old_instance: str) -> None: ...
-
-    def on_peer_gone(self, peer: Link, instance: str) -> None: ...
 
 
 async def _refused(address: str) -> bool:
@@ -69,13 +46,6 @@ async def _refused(address: str) -> bool:
         return False
     writer.close()
     return False
-
-
-def _failure_code(value: int) -> FailureCode:
-    try:
-        return FailureCode(value)
-    except ValueError:
-        return FailureCode.UNSPECIFIED
 
 
 class PeerManager:
@@ -92,6 +62,9 @@ class PeerManager:
         self._by_id: dict[str, PeerLink] = {}
         self._task: asyncio.Task[None] | None = None
         self._next_dial: dict[str, tuple[float, float]] = {}  # address -> (next try, last wait)
+        self.auth = PeerAuth(config, metrics)
+        self.limits = PeerLimits(config, metrics, lambda: len(self._by_id), lambda: len(self._by_address),
+                                 len(config.peers))
         self._rx_batches = metrics.peer_batches.labels(direction="in")
         self._rx_msgs = metrics.peer_messages.labels(direction="in")
 
@@ -119,8 +92,15 @@ class PeerManager:
         return h
 
     @property
+    def me(self) -> DaemonRef:
+        return DaemonRef(self.ident.daemon_id, self.ident.instance_id, self.ident.address)
+
+    @property
     def _me(self) -> peer_pb2.DaemonRef:
-        return daemon_ref_pb(DaemonRef(self.ident.daemon_id, self.ident.instance_id, self.ident.address))
+        return daemon_ref_pb(self.me)
+
+    def status(self) -> PeerStatus:
+        return PeerStatus(self.auth.mode, self.limits.usage())
 
     # ------------------------------------------------------------------ dialing
 
@@ -131,7 +111,14 @@ class PeerManager:
             return h
         async with h.lock:
             if not h.up or h.md_epoch_sent != self.ident.md_epoch:
-                await self.handshake(h)
+                try:
+                    await self.handshake(h)
+                except Exception:
+                    # Nobody we know answered there: keep no link (nor its channel) for it, so
+                    # addresses that never handshook do not pile up.
+                    if address not in self.config.peers:
+                        self._drop_unused(h, fresh=True)
+                    raise
             if h.session is None:
                 if h.is_self:
                     # Rooms between two engines of this daemon: the "stream" is a direct hand-off.
@@ -148,17 +135,40 @@ class PeerManager:
 
     async def handshake(self, h: PeerLink) -> None:
         epoch = self.ident.md_epoch
-        reply = await h.stub.Handshake(
-            peer_pb2.HandshakeRequest(sender=self._me, agent_name=self._transport.name,
-                                      nixl_metadata=self._transport.metadata(), version=__version__),
-            timeout=CONTROL_TIMEOUT_S,
-        )
-        await self.adopt(h, daemon_ref(reply.sender), reply.agent_name, bytes(reply.nixl_metadata))
+        agent, metadata = self._transport.name, self._transport.metadata()
+        keys = self.auth.signing_keys()
+        for i, key in enumerate(keys):
+            sent = self.auth.request_proof(self.me, agent, metadata, key)
+            try:
+                reply = await h.stub.Handshake(
+                    peer_pb2.HandshakeRequest(sender=self._me, agent_name=agent, nixl_metadata=metadata,
+                                              version=__version__, proof=proof_pb(sent)),
+                    timeout=CONTROL_TIMEOUT_S,
+                )
+                break
+            except grpc.aio.AioRpcError as exc:
+                # Mid-rotation the peer may know only our previous secret.
+                if exc.code() != grpc.StatusCode.PERMISSION_DENIED or i + 1 == len(keys):
+                    raise
+        ref, their_md = daemon_ref(reply.sender), bytes(reply.nixl_metadata)
+        self.limits.metadata(len(their_md))
+        # The server's certificate must name the daemon it claims to be (mTLS).
+        self.auth.check_claim(await self.auth.server_ids(h.address, CONTROL_TIMEOUT_S), ref.daemon_id)
+        binding = self.auth.verify_reply(ref, reply.agent_name, their_md, self.me, sent, key, proof_of(reply))
+        await self.adopt(h, ref, reply.agent_name, their_md)
+        self._bind(ref.daemon_id, binding)
         h.md_epoch_sent = epoch
+
+    def _bind(self, daemon_id: str, binding: Binding) -> None:
+        h = self._by_id.get(daemon_id)
+        if h is not None and binding[0]:
+            h.bindings.append(binding)
 
     async def _dial_session(self, h: PeerLink) -> None:
         call = h.stub.Session()
-        hello = peer_pb2.PeerMsg(hello=peer_pb2.Hello(sender=self._me, peer_instance_id=h.instance_id))
+        proof = self.auth.hello_proof(self.me, h.instance_id, h.bindings[-1] if h.bindings else None)
+        hello = peer_pb2.PeerMsg(hello=peer_pb2.Hello(sender=self._me, peer_instance_id=h.instance_id,
+                                                      proof=proof_pb(proof)))
         await call.write(peer_pb2.PeerBatch(msgs=[hello]))
         session = Session(call.write, call.cancel)
         self._start_session(h, session)
@@ -170,13 +180,16 @@ class PeerManager:
             old, h.lost_instance = h.lost_instance, ""
             self._inbox.on_peer_back(h, old)
 
-    async def _read(self, h: PeerLink, session: Session, batches: Any) -> None:
+    async def _read(self, h: PeerLink, session: Session, batches: Any, reraise: bool = False) -> None:
         why = "control stream closed"
+        refused: KvxferError | None = None
         try:
             async for batch in batches:
                 if session.closed:
                     return
                 self.on_batch(h, batch)
+        except KvxferError as exc:
+            why, refused = f"control stream refused: {exc}", exc
         except grpc.aio.AioRpcError as exc:
             why = f"control stream broke: {exc.code().name}"
         except asyncio.CancelledError:
@@ -185,23 +198,88 @@ class PeerManager:
             why = f"control stream failed: {exc!r}"
         if h.session is session and not session.closed:
             self.lost(h, why)
+        if refused is not None and reraise:
+            raise refused
 
     # ------------------------------------------------------------------ accepting
 
-    async def accept(self, hello: peer_pb2.Hello, session: Session) -> PeerLink:
+    async def accept_handshake(self, ref: DaemonRef, agent: str, metadata: bytes, proof: Proof | None,
+                               creds: PeerCreds) -> tuple[Proof | None, bytes]:
+        """A peer's handshake: checked in full before it may add anything to the peer table; a
+        refused one leaves nothing behind and dials nothing. Returns our proof and metadata."""
+        try:
+            with self.limits.handshake():
+                return await self._accept_handshake(ref, agent, metadata, proof, creds)
+        except KvxferError as exc:
+            self.auth.refused("handshake", f"from {ref.daemon_id[:100]!r} at {ref.address[:100]!r}: {exc}")
+            raise
+
+    async def _accept_handshake(self, ref: DaemonRef, agent: str, metadata: bytes, proof: Proof | None,
+                                creds: PeerCreds) -> tuple[Proof | None, bytes]:
+        self.limits.metadata(len(metadata))
+        if not metadata or not agent:
+            raise InvalidArgument("agent_name and nixl_metadata are required")
+        # This daemon may dial the address back: only HOST:PORT, nothing a resolver would have to
+        # guess at (no bare names, no schemes).
+        if not _valid_hostport(ref.address):
+            raise InvalidArgument(f"sender.address must be HOST:PORT, got {ref.address[:100]!r}")
+        self.auth.check_claim(creds, ref.daemon_id)
+        their_nonce, key = self.auth.verify_request(ref, agent, metadata, proof)
+        # Claiming the address of another daemon that is up would re-bind its link (failing its
+        # rooms, pointing its NIXL agent elsewhere): only a daemon gone silent can be replaced.
+        known = self._by_address.get(ref.address)
+        if known is not None and known.up and known.daemon_id and known.daemon_id != ref.daemon_id:
+            raise PermissionDenied(f"{ref.address} belongs to daemon {known.daemon_id!r}, which is up")
+        self.limits.new_peer(ref.daemon_id not in self._by_id, known is None)
+        h = self.link(ref.address)
+        try:
+            await self.adopt(h, ref, agent, metadata)
+        except KvxferError:
+            raise
+        except Exception as exc:
+            raise InvalidArgument(f"cannot load the peer's NIXL metadata: {exc}") from exc
+        finally:
+            self._drop_unused(h, fresh=known is None)
+        ours = self._transport.metadata()
+        reply, binding = self.auth.reply_proof(self.me, self._transport.name, ours, ref, their_nonce, key)
+        self._bind(ref.daemon_id, binding)
+        return reply, ours
+
+    def _drop_unused(self, h: PeerLink, fresh: bool) -> None:
+        """A link made for a handshake that failed, or that turned out to alias a known daemon."""
+        if fresh and (not h.daemon_id or self._by_address.get(h.address) is not h):
+            if self._by_address.get(h.address) is h:
+                del self._by_address[h.address]
+            self._spawn(h.close(), f"close unused link {h.address}")
+
+    def check_heartbeat(self, ref: DaemonRef | None, creds: PeerCreds) -> None:
+        if ref is not None:
+            self.auth.check_claim(creds, ref.daemon_id)
+
+    async def accept(self, hello: peer_pb2.Hello, session: Session, creds: PeerCreds) -> PeerLink:
         """A stream opened by a peer: it must name a completed handshake of that exact instance."""
         ref = daemon_ref(hello.sender)
-        h = self._by_id.get(ref.daemon_id)
-        if h is None or not h.up or h.instance_id != ref.instance_id:
-            raise PermissionDenied(f"daemon {ref.daemon_id!r} instance {ref.instance_id!r} has not handshaken")
-        if hello.peer_instance_id != self.ident.instance_id:
-            raise PermissionDenied("the stream was meant for another instance of this daemon")
+        try:
+            self.auth.check_claim(creds, ref.daemon_id)
+            h = self._by_id.get(ref.daemon_id)
+            if h is None or not h.up or h.instance_id != ref.instance_id:
+                raise PermissionDenied(f"daemon {ref.daemon_id!r} instance {ref.instance_id!r} has not handshaken")
+            if hello.peer_instance_id != self.ident.instance_id:
+                raise PermissionDenied("the stream was meant for another instance of this daemon")
+            self.auth.verify_hello(ref, hello.peer_instance_id, proof_of(hello), h.bindings)
+        except KvxferError as exc:
+            self.auth.refused("session", f"from {ref.daemon_id[:100]!r}: {exc}")
+            raise
         self._start_session(h, session)
         return h
 
     async def serve_stream(self, h: PeerLink, session: Session, rest: peer_pb2.PeerBatch, batches: Any) -> None:
-        self.on_batch(h, rest)
-        await self._read(h, session, batches)
+        try:
+            self.on_batch(h, rest)
+        except KvxferError as exc:
+            self.lost(h, f"control stream refused: {exc}")
+            raise
+        await self._read(h, session, batches, reraise=True)
 
     # ------------------------------------------------------------------ identities and metadata
 
@@ -229,6 +307,7 @@ class PeerManager:
             self.lost(h, f"peer {ref.daemon_id} restarted")
         if h.instance_id and h.instance_id != ref.instance_id:
             h.lost_instance = h.lost_instance or h.instance_id
+            h.bindings.clear()
         if not h.is_self:
             if h.agent_name:
                 await self._workers.run_blocking(self._transport.remove_remote, h.agent_name)
@@ -294,6 +373,7 @@ class PeerManager:
     # ------------------------------------------------------------------ incoming messages
 
     def on_batch(self, h: PeerLink, batch: peer_pb2.PeerBatch) -> None:
+        self.limits.batch(len(batch.msgs))
         h.last_rx = time.monotonic()
         self._rx_batches.inc()
         if not batch.msgs:
@@ -303,60 +383,11 @@ class PeerManager:
             if not h.up:
                 return
             try:
-                self._dispatch(h, msg)
+                dispatch(self._inbox, h, msg)
             except KvxferError as exc:
                 logger.warning("peer %s: %s message refused: %s", h.daemon_id, msg.WhichOneof("body"), exc)
             except Exception:
                 logger.exception("peer %s: handling a %s message failed", h.daemon_id, msg.WhichOneof("body"))
-
-    def _dispatch(self, h: PeerLink, msg: peer_pb2.PeerMsg) -> None:
-        kind = msg.WhichOneof("body")
-        inbox = self._inbox
-        if kind == "bootstrap":
-            b = msg.bootstrap
-            key = room_key(b.room)
-            try:
-                m = BootstrapMsg(key, b.prefill_group, b.reader_rank, b.decode_tp, layout(b.layout), b.num_tokens,
-                                 b.deadline_unix_ms, b.reader_ring,
-                                 zero_copy_target(b.zero_copy) if b.HasField("zero_copy") else None)
-                ans = inbox.on_bootstrap(h, m)
-            except KvxferError as exc:
-                ans = BootstrapAnswer(key, b.reader_rank, exc.code, str(exc))
-            h.send_bootstrap_reply(ans)
-        elif kind == "bootstrap_reply":
-            r = msg.bootstrap_reply
-            lay = layout(r.layout) if r.HasField("layout") and r.code == 0 else None
-            inbox.on_bootstrap_reply(h, BootstrapAnswer(room_key(r.room), r.reader_rank, r.code, r.message,
-                                                        r.prefill_tp, lay, r.zero_copy))
-        elif kind == "grant":
-            specs = []
-            for c in msg.grant.credits:
-                if c.length <= 0 or len(c.ring) > 128 or (c.mem or "DRAM") not in _MEMS:
-                    raise InvalidArgument(f"malformed credit {c.id}")
-                specs.append(CreditSpec(c.id, c.ring, c.address, c.length, c.mem or "DRAM", c.device))
-            h.window.add(specs)
-        elif kind == "credit_request":
-            inbox.on_credit_request(h, msg.credit_request.ring, msg.credit_request.bytes)
-        elif kind == "credit_return":
-            inbox.on_credit_return(h, list(msg.credit_return.ids))
-        elif kind == "revoke":
-            h.window.revoke(list(msg.revoke.ids))
-        elif kind == "reclaim":
-            h.window.reclaim(msg.reclaim.ring)
-        elif kind == "release":
-            rel = msg.release
-            h.window.release([(r.credit_id, r.offset) for r in rel.ranges], [room_key(k) for k in rel.rooms])
-        elif kind == "complete":
-            c = msg.complete
-            key = room_key(c.room)
-            code, text = inbox.on_complete(h, key, c.reader_rank, c.num_chunks, bytes(c.aux))
-            h.send_complete_ack(key, c.reader_rank, code, text)
-        elif kind == "complete_ack":
-            a = msg.complete_ack
-            inbox.on_complete_ack(h, room_key(a.room), a.reader_rank, a.code, a.message)
-        elif kind == "abort":
-            a = msg.abort
-            inbox.on_abort(h, room_key(a.room), _failure_code(a.code), a.reason[:1000])
 
     # ------------------------------------------------------------------ liveness
 

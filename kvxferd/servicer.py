@@ -25,6 +25,7 @@ from kvxferd.gpu import gpu_data_path
 from kvxferd.limits import MAX_ID, StreamTicket, check_len
 from kvxferd.metrics import Metrics
 from kvxferd.node import Node
+from kvxferd.peer_limits import PeerStatus
 from kvxferd.registration import FIRST_WAIT_S, POLL_WAIT_S, PendingRegistrations
 
 logger = logging.getLogger(__name__)
@@ -99,8 +100,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         "EnqueueChunk", "EnqueueChunks", "PollRoom", "Watermark", "AbortRoom", "ReleaseRoom", "GetStatus",
     )
 
-    def __init__(self, node: Node, metrics: Metrics, cuda_importer: Callable[..., Ring] | None) -> None:
+    def __init__(self, node: Node, metrics: Metrics, cuda_importer: Callable[..., Ring] | None,
+                 peer_status: Callable[[], PeerStatus] | None = None) -> None:
         self._node = node
+        self._peer_status = peer_status
         self._metrics = metrics
         self._cuda_importer = cuda_importer
         self._pending = PendingRegistrations()
@@ -265,6 +268,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def GetStatus(self, request: engine_pb2.GetStatusRequest, context: Any) -> engine_pb2.DaemonStatus:
         st = self._node.status()
         engines: list[Engine] = st["engines"]  # type: ignore[assignment]
+        peer_side = self._peer_status() if self._peer_status is not None else PeerStatus("", ())
         return engine_pb2.DaemonStatus(
             daemon_id=str(st["daemon_id"]), version=str(st["version"]), serving=bool(st["serving"]),
             engines=[
@@ -294,6 +298,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             gpu_data_path=gpu_data_path(self._node.config.data_path),
             caps=[engine_pb2.CapUsage(name=c.name, used=c.used, limit=c.limit)
                   for c in st["caps"]],  # type: ignore[attr-defined]
+            peer_caps=[engine_pb2.CapUsage(name=c.name, used=c.used, limit=c.limit) for c in peer_side.caps],
+            peer_auth=peer_side.auth_mode,
         )
 
 

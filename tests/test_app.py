@@ -89,8 +89,12 @@ async def test_status_cli_against_daemon(inproc: Any) -> None:
     assert proc[0] == 0, proc
     data = json.loads(proc[1])
     assert data["daemon_id"] == d.daemon_id and data["serving"] is True
+    assert data["peer_auth"] == "none-loopback"
+    assert {c["name"]: int(c["limit"]) for c in data["peer_caps"]} == {
+        "peers": 256, "peer_addresses": 512, "pending_handshakes": 16, "peer_metadata_bytes": 1 << 20,
+        "peer_batch_msgs": 4096}
     proc = await _run_cli("status", "--socket", d.socket)
-    assert proc[0] == 0 and "rooms by state" in proc[1]
+    assert proc[0] == 0 and "rooms by state" in proc[1] and "peer caps" in proc[1] and "none-loopback" in proc[1]
 
 
 async def _run_cli(*args: str) -> tuple[int, str, str]:

@@ -129,15 +129,17 @@ def fleet(pki: Pki) -> Iterator[Fleet]:
     grp     engine socket 0660 for group nogroup
     tls     TLS on the peer service and a TCP engine listener, no client certificates
     pre/dec mutual TLS (pre also has a TCP engine listener)
-    rogue   trusts our CA but presents a certificate of another CA."""
+    rogue   trusts our CA but presents a certificate of another CA
+    liar    mutual TLS with a valid certificate that names another daemon (pre)."""
     wd = Path(tempfile.mkdtemp(prefix="kvxs-"))
     specs = {
         "plain": ["--set", "max_message_bytes=65536"],
         "grp": ["--set", "socket_mode=0o660", "--set", "socket_group=nogroup"],
-        "tls": ["--listen", "127.0.0.1:0", *pki.daemon_args(client_auth=False)],
-        "pre": ["--listen", "127.0.0.1:0", *pki.daemon_args(client_auth=True)],
-        "dec": pki.daemon_args(client_auth=True),
-        "rogue": pki.daemon_args(client_auth=True, rogue=True),
+        "tls": ["--listen", "127.0.0.1:0", *pki.daemon_args("tls", client_auth=False)],
+        "pre": ["--listen", "127.0.0.1:0", *pki.daemon_args("pre", client_auth=True)],
+        "dec": pki.daemon_args("dec", client_auth=True),
+        "rogue": pki.daemon_args("rogue", client_auth=True),
+        "liar": pki.daemon_args("pre", client_auth=True),
     }
     procs = {name: spawn_daemon(wd, name, *args, wait=False) for name, args in specs.items()}
     try:
@@ -186,22 +188,26 @@ def test_socket_group_lets_its_members_in_and_nobody_else(fleet: Fleet) -> None:
 # --------------------------------------------------------------------------- certificates
 
 
+# Certificates issued by the test CA, each naming its daemon id (URI SAN kvxferd://daemon/<name>);
+# "rogue" is issued by another CA.
+ISSUED = ("pre", "dec", "tls", "client", "attacker")
+
+
 @dataclass(frozen=True)
 class Pki:
+    dir: Path
     ca: Path
-    cert: Path
-    key: Path
     rogue_ca: Path
-    rogue_cert: Path  # signed by the rogue CA, same names as `cert`
-    rogue_key: Path
 
-    def read(self, *paths: Path) -> list[bytes]:
-        return [p.read_bytes() for p in paths]
+    def cert(self, name: str) -> Path:
+        return self.dir / f"{name}.pem"
 
-    def daemon_args(self, client_auth: bool, rogue: bool = False) -> list[str]:
-        cert, key = (self.rogue_cert, self.rogue_key) if rogue else (self.cert, self.key)
-        return ["--set", f"tls_cert={cert}", "--set", f"tls_key={key}", "--set", f"tls_ca={self.ca}",
-                "--set", f"tls_client_auth={'true' if client_auth else 'false'}"]
+    def key(self, name: str) -> Path:
+        return self.dir / f"{name}.key"
+
+    def daemon_args(self, name: str, client_auth: bool) -> list[str]:
+        return ["--set", f"tls_cert={self.cert(name)}", "--set", f"tls_key={self.key(name)}", "--set",
+                f"tls_ca={self.ca}", "--set", f"tls_client_auth={'true' if client_auth else 'false'}"]
 
 
 def _name(cn: str) -> x509.Name:
@@ -225,15 +231,17 @@ def _ca(cn: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
 
 
 def _leaf(ca_key: ec.EllipticCurvePrivateKey, ca: x509.Certificate, cn: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
-    """One certificate per daemon, for both sides of peer channels (server and client auth)."""
+    """One certificate per daemon, for both sides of peer channels (server and client auth); it
+    names the daemon id `cn` as a URI SAN, which binds the id to the certificate."""
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.timezone.utc)
     cert = (
         x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(ca.subject).public_key(key.public_key())
         .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                    x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .add_extension(x509.SubjectAlternativeName([
+            x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+            x509.UniformResourceIdentifier(f"kvxferd://daemon/{cn}")]), critical=False)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
                        critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
@@ -256,12 +264,13 @@ def _write(path: Path, key: ec.EllipticCurvePrivateKey | None = None, cert: x509
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     d = tmp_path_factory.mktemp("pki")
     ca_key, ca = _ca("kvxferd test CA")
-    key, cert = _leaf(ca_key, ca, "kvxferd-node")
     rca_key, rca = _ca("rogue CA")
-    rkey, rcert = _leaf(rca_key, rca, "kvxferd-node")
-    return Pki(_write(d / "ca.pem", cert=ca), _write(d / "node.pem", cert=cert), _write(d / "node.key", key=key),
-               _write(d / "rogue-ca.pem", cert=rca), _write(d / "rogue.pem", cert=rcert),
-               _write(d / "rogue.key", key=rkey))
+    pki = Pki(d, _write(d / "ca.pem", cert=ca), _write(d / "rogue-ca.pem", cert=rca))
+    for name, (issuer_key, issuer) in {**{n: (ca_key, ca) for n in ISSUED}, "rogue": (rca_key, rca)}.items():
+        key, cert = _leaf(issuer_key, issuer, name)
+        _write(pki.key(name), key=key)
+        _write(pki.cert(name), cert=cert)
+    return pki
 
 
 # --------------------------------------------------------------------------- TLS listeners
@@ -316,8 +325,9 @@ def test_mutual_tls_refuses_clients_without_a_valid_certificate(fleet: Fleet, pk
     for target, call in ((str(d.info["engine_tcp"]), engine_status), (d.peer_address, peer_status)):
         assert call(target, None) == REFUSED
         assert call(target, creds(pki)) == REFUSED, "no client certificate, yet accepted"
-        assert call(target, creds(pki, client=(pki.rogue_cert, pki.rogue_key))) == REFUSED, "rogue client certificate accepted"
-        assert call(target, creds(pki, client=(pki.cert, pki.key))) in IN
+        assert call(target, creds(pki, client=(pki.cert("rogue"), pki.key("rogue")))) == REFUSED, \
+            "rogue client certificate accepted"
+        assert call(target, creds(pki, client=(pki.cert("client"), pki.key("client")))) in IN
 
 
 def test_two_daemons_with_mutual_tls_complete_a_room_and_refuse_a_rogue_peer(fleet: Fleet) -> None:
@@ -357,10 +367,10 @@ def test_python_client_and_cli_speak_tls_and_mutual_tls(fleet: Fleet, pki: Pki) 
             daemon_status(tls_tcp, bad)
         assert ei.value.code == REFUSED
     # Mutual TLS: our certificate from files or from memory; none, or one of another CA, is refused.
-    mine = Tls(ca=pki.ca, cert=pki.cert, key=pki.key)
+    mine = Tls(ca=pki.ca, cert=pki.cert("client"), key=pki.key("client"))
     assert daemon_status(mtls_tcp, mine).daemon_id == "pre"
-    assert daemon_status(mtls_tcp, Tls(*pki.read(pki.ca, pki.cert, pki.key))).daemon_id == "pre"
-    for bad in (Tls(ca=pki.ca), Tls(ca=pki.ca, cert=pki.rogue_cert, key=pki.rogue_key)):
+    assert daemon_status(mtls_tcp, Tls(*(p.read_bytes() for p in (pki.ca, pki.cert("client"), pki.key("client"))))).daemon_id == "pre"
+    for bad in (Tls(ca=pki.ca), Tls(ca=pki.ca, cert=pki.cert("rogue"), key=pki.key("rogue"))):
         with pytest.raises(KvxferError) as ei:
             daemon_status(mtls_tcp, bad)
         assert ei.value.code == REFUSED
@@ -382,11 +392,81 @@ def test_python_client_and_cli_speak_tls_and_mutual_tls(fleet: Fleet, pki: Pki) 
         daemon_status(fleet.d["pre"].socket, mine)  # TLS over the Unix socket is a mistake, said so
     # The CLI takes the same material.
     cli = [sys.executable, "-m", "kvxferd", "status", "--socket", mtls_tcp, "--json", "--tls-ca", str(pki.ca)]
-    ok = subprocess.run([*cli, "--tls-cert", str(pki.cert), "--tls-key", str(pki.key)], capture_output=True,
+    ok = subprocess.run([*cli, "--tls-cert", str(pki.cert("client")), "--tls-key", str(pki.key("client"))], capture_output=True,
                         text=True, timeout=60, env=daemon_env(), cwd=ROOT)
     assert ok.returncode == 0 and json.loads(ok.stdout)["daemon_id"] == "pre", ok.stderr
     refused = subprocess.run(cli, capture_output=True, text=True, timeout=60, env=daemon_env(), cwd=ROOT)
     assert refused.returncode == 1 and "UNAVAILABLE" in refused.stderr
+
+
+# --------------------------------------------------------------------------- certificate-bound daemon ids
+
+
+def _code(fn: Callable[[], Any]) -> tuple[grpc.StatusCode, str]:
+    try:
+        fn()
+    except grpc.RpcError as exc:
+        return exc.code(), exc.details() or ""  # type: ignore[no-any-return]
+    return grpc.StatusCode.OK, ""
+
+
+def _peer_ids(d: DaemonProc) -> set[str]:
+    with grpc.insecure_channel(f"unix:{d.socket}") as ch:
+        st = engine_pb2_grpc.EngineStub(ch).GetStatus(engine_pb2.GetStatusRequest(), timeout=5)
+    return {p.daemon_id for p in st.peers}
+
+
+def test_a_certificate_binds_the_daemon_id_its_holder_may_claim(fleet: Fleet, pki: Pki) -> None:
+    """Holding a valid certificate of daemon "attacker", a caller cannot handshake, open a stream
+    or heartbeat as daemon "D" (or as "pre", a daemon the target knows); as itself it can."""
+    from kvxferd.transport import NixlTransport
+
+    dec = fleet.d["dec"]
+    agent = NixlTransport(f"kvx-sec-{os.getpid()}", progress_thread=False)
+    ch = grpc.secure_channel(dec.peer_address, creds(pki, client=(pki.cert("attacker"), pki.key("attacker"))))
+    try:
+        stub = peer_pb2_grpc.PeerStub(ch)
+
+        def ref(daemon_id: str) -> peer_pb2.DaemonRef:
+            return peer_pb2.DaemonRef(daemon_id=daemon_id, instance_id="i-1", address="127.0.0.1:9")
+
+        def handshake(daemon_id: str) -> tuple[grpc.StatusCode, str]:
+            return _code(lambda: stub.Handshake(peer_pb2.HandshakeRequest(
+                sender=ref(daemon_id), agent_name=agent.name, nixl_metadata=agent.metadata()), timeout=10))
+
+        for claimed in ("D", "pre"):
+            code, why = handshake(claimed)
+            assert code == grpc.StatusCode.PERMISSION_DENIED and "certificate" in why, (claimed, code, why)
+            hello = peer_pb2.PeerMsg(hello=peer_pb2.Hello(sender=ref(claimed)))
+            code, why = _code(lambda hello=hello: list(stub.Session(iter([peer_pb2.PeerBatch(msgs=[hello])]), timeout=10)))
+            assert code == grpc.StatusCode.PERMISSION_DENIED and "certificate" in why, (claimed, code, why)
+            code, why = _code(lambda claimed=claimed: stub.Heartbeat(peer_pb2.HeartbeatRequest(sender=ref(claimed)),
+                                                                     timeout=10))
+            assert code == grpc.StatusCode.PERMISSION_DENIED and "certificate" in why, (claimed, code, why)
+        assert not {"D", "attacker"} & _peer_ids(dec), "a refused handshake left a peer behind"
+        # The same certificate, claiming the id it names: in, and listed under that id only.
+        assert handshake("attacker") == (grpc.StatusCode.OK, "")
+        assert _code(lambda: stub.Heartbeat(peer_pb2.HeartbeatRequest(sender=ref("attacker")), timeout=10))[0] == \
+            grpc.StatusCode.OK
+        ids = _peer_ids(dec)
+        assert "attacker" in ids and "D" not in ids, ids
+    finally:
+        ch.close()
+        agent.close()
+
+
+def test_a_daemon_whose_certificate_names_another_id_is_not_used(fleet: Fleet) -> None:
+    """"liar" holds a valid certificate of daemon "pre": daemons it dials refuse its client
+    certificate, and a daemon dialing it refuses the handshake reply (the server's certificate
+    does not name the daemon id the reply claims), so no room can use it."""
+    dec, liar = fleet.d["dec"], fleet.d["liar"]
+    with DecodeReceiver(socket=dec.socket, group="gl", layout=LAYOUT, ring_bytes=1 << 20) as rx:
+        rx.expect(7, liar.peer_address, "g", 16)
+        with pytest.raises(RoomFailed) as ei:
+            rx.receive(7, timeout=30)
+        assert ei.value.failure_code == "PEER_LOST", ei.value
+        assert "'liar' is not named by the peer's certificate ['pre']" in ei.value.reason, ei.value
+    assert "liar" not in _peer_ids(dec)
 
 
 # --------------------------------------------------------------------------- size limits and bind addresses

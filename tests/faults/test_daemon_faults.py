@@ -207,8 +207,10 @@ def netpair() -> Any:
 
 def test_network_cut_between_namespaced_daemons_and_repair(daemons: Any, fleet: Fleet, netpair: NetPair) -> None:
     wd = daemons.workdir
-    pre = launch(wd, "prefill", prefix=netpair.prefix(0), peer_listen=f"{netpair.ips[0]}:0", wait=False)
-    dec = launch(wd, "decode", prefix=netpair.prefix(1), peer_listen=f"{netpair.ips[1]}:0", wait=False)
+    # Off loopback, unauthenticated peers must be allowed explicitly (the namespaces are private).
+    insecure = ("--set", "insecure_peers=true")
+    pre = launch(wd, "prefill", *insecure, prefix=netpair.prefix(0), peer_listen=f"{netpair.ips[0]}:0", wait=False)
+    dec = launch(wd, "decode", *insecure, prefix=netpair.prefix(1), peer_listen=f"{netpair.ips[1]}:0", wait=False)
     daemons.started.extend([pre, dec])
     from tests.conftest import wait_ready
 

@@ -360,7 +360,7 @@ class CapUsage(_message.Message):
     def __init__(self, name: _Optional[str] = ..., used: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class DaemonStatus(_message.Message):
-    __slots__ = ("daemon_id", "version", "serving", "engines", "peers", "rooms_by_state", "slots_held", "pool_bytes", "uptime_s", "peer_address", "gpu_data_path", "caps")
+    __slots__ = ("daemon_id", "version", "serving", "engines", "peers", "rooms_by_state", "slots_held", "pool_bytes", "uptime_s", "peer_address", "gpu_data_path", "caps", "peer_caps", "peer_auth")
     class RoomsByStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -380,6 +380,8 @@ class DaemonStatus(_message.Message):
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     GPU_DATA_PATH_FIELD_NUMBER: _ClassVar[int]
     CAPS_FIELD_NUMBER: _ClassVar[int]
+    PEER_CAPS_FIELD_NUMBER: _ClassVar[int]
+    PEER_AUTH_FIELD_NUMBER: _ClassVar[int]
     daemon_id: str
     version: str
     serving: bool
@@ -392,4 +394,6 @@ class DaemonStatus(_message.Message):
     peer_address: str
     gpu_data_path: str
     caps: _containers.RepeatedCompositeFieldContainer[CapUsage]
-    def __init__(self, daemon_id: _Optional[str] = ..., version: _Optional[str] = ..., serving: _Optional[bool] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., rooms_by_state: _Optional[_Mapping[str, int]] = ..., slots_held: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., uptime_s: _Optional[float] = ..., peer_address: _Optional[str] = ..., gpu_data_path: _Optional[str] = ..., caps: _Optional[_Iterable[_Union[CapUsage, _Mapping]]] = ...) -> None: ...
+    peer_caps: _containers.RepeatedCompositeFieldContainer[CapUsage]
+    peer_auth: str
+    def __init__(self, daemon_id: _Optional[str] = ..., version: _Optional[str] = ..., serving: _Optional[bool] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., rooms_by_state: _Optional[_Mapping[str, int]] = ..., slots_held: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., uptime_s: _Optional[float] = ..., peer_address: _Optional[str] = ..., gpu_data_path: _Optional[str] = ..., caps: _Optional[_Iterable[_Union[CapUsage, _Mapping]]] = ..., peer_caps: _Optional[_Iterable[_Union[CapUsage, _Mapping]]] = ..., peer_auth: _Optional[str] = ...) -> None: ...

@@ -18,28 +18,44 @@ class DaemonRef(_message.Message):
     def __init__(self, daemon_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("sender", "agent_name", "nixl_metadata", "version")
+    __slots__ = ("sender", "agent_name", "nixl_metadata", "version", "proof")
     SENDER_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     NIXL_METADATA_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
     sender: DaemonRef
     agent_name: str
     nixl_metadata: bytes
     version: str
-    def __init__(self, sender: _Optional[_Union[DaemonRef, _Mapping]] = ..., agent_name: _Optional[str] = ..., nixl_metadata: _Optional[bytes] = ..., version: _Optional[str] = ...) -> None: ...
+    proof: PeerProof
+    def __init__(self, sender: _Optional[_Union[DaemonRef, _Mapping]] = ..., agent_name: _Optional[str] = ..., nixl_metadata: _Optional[bytes] = ..., version: _Optional[str] = ..., proof: _Optional[_Union[PeerProof, _Mapping]] = ...) -> None: ...
 
 class HandshakeReply(_message.Message):
-    __slots__ = ("sender", "agent_name", "nixl_metadata", "version")
+    __slots__ = ("sender", "agent_name", "nixl_metadata", "version", "proof")
     SENDER_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     NIXL_METADATA_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
     sender: DaemonRef
     agent_name: str
     nixl_metadata: bytes
     version: str
-    def __init__(self, sender: _Optional[_Union[DaemonRef, _Mapping]] = ..., agent_name: _Optional[str] = ..., nixl_metadata: _Optional[bytes] = ..., version: _Optional[str] = ...) -> None: ...
+    proof: PeerProof
+    def __init__(self, sender: _Optional[_Union[DaemonRef, _Mapping]] = ..., agent_name: _Optional[str] = ..., nixl_metadata: _Optional[bytes] = ..., version: _Optional[str] = ..., proof: _Optional[_Union[PeerProof, _Mapping]] = ...) -> None: ...
+
+class PeerProof(_message.Message):
+    __slots__ = ("nonce", "unix_ms", "mac", "peer_nonce")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
+    PEER_NONCE_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    unix_ms: int
+    mac: bytes
+    peer_nonce: bytes
+    def __init__(self, nonce: _Optional[bytes] = ..., unix_ms: _Optional[int] = ..., mac: _Optional[bytes] = ..., peer_nonce: _Optional[bytes] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("sender",)
@@ -88,12 +104,14 @@ class PeerMsg(_message.Message):
     def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., bootstrap: _Optional[_Union[Bootstrap, _Mapping]] = ..., bootstrap_reply: _Optional[_Union[BootstrapReply, _Mapping]] = ..., grant: _Optional[_Union[CreditGrant, _Mapping]] = ..., credit_request: _Optional[_Union[CreditRequest, _Mapping]] = ..., credit_return: _Optional[_Union[CreditReturn, _Mapping]] = ..., revoke: _Optional[_Union[CreditRevoke, _Mapping]] = ..., release: _Optional[_Union[RangeRelease, _Mapping]] = ..., complete: _Optional[_Union[Complete, _Mapping]] = ..., complete_ack: _Optional[_Union[CompleteAck, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., reclaim: _Optional[_Union[Reclaim, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("sender", "peer_instance_id")
+    __slots__ = ("sender", "peer_instance_id", "proof")
     SENDER_FIELD_NUMBER: _ClassVar[int]
     PEER_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
     sender: DaemonRef
     peer_instance_id: str
-    def __init__(self, sender: _Optional[_Union[DaemonRef, _Mapping]] = ..., peer_instance_id: _Optional[str] = ...) -> None: ...
+    proof: PeerProof
+    def __init__(self, sender: _Optional[_Union[DaemonRef, _Mapping]] = ..., peer_instance_id: _Optional[str] = ..., proof: _Optional[_Union[PeerProof, _Mapping]] = ...) -> None: ...
 
 class Bootstrap(_message.Message):
     __slots__ = ("room", "prefill_group", "reader_rank", "decode_tp", "layout", "num_tokens", "deadline_unix_ms", "reader_ring", "zero_copy")

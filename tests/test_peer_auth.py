@@ -1,0 +1,396 @@
+"""Peer trust without mTLS: the shared-secret handshake (HMAC both ways, Hello bound to the
+handshake, replay and clock checks, rotation), the auth modes and their config errors, the
+peer-side caps, and a flood of garbage handshakes that must leave nothing behind.
+
+Real subprocess daemons, real gRPC and NIXL over loopback; the hostile client is this process
+(with a NIXL agent of its own, so that its metadata is valid where the test needs it to be).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from kvxfer_client import DecodeReceiver, Layout, PrefillSender, RoomFailed
+from kvxfer_client._pb.kvxfer.v1 import peer_pb2
+from kvxferd.config import Config, ConfigError, load_config
+from kvxferd.domain import DaemonRef
+from kvxferd.peer_auth import Proof
+from kvxferd.peer_link import proof_of, proof_pb
+from tests.conftest import ROOT, DaemonProc, daemon_env, spawn_daemon, wait_ready
+from tests.peer_client import Client, caps, closed_port, code_of, metric, secret_file, status
+
+LAYOUT = Layout(num_layers=2, total_kv_heads=2, head_dim=16, dtype_bytes=2, page_size=16)
+CHUNK = 16 * 256  # bytes of 16 tokens of LAYOUT
+FLOOD = int(os.environ.get("KVX_FLOOD_HANDSHAKES", "1000"))
+OK, DENIED, EXHAUSTED = grpc.StatusCode.OK, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+@dataclass
+class Fleet:
+    workdir: Path
+    d: dict[str, DaemonProc]
+    secret: bytes
+    files: dict[str, Path]
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[Fleet]:
+    """sa, sb  share a secret (sb accepts the previous one for 3 s after a rotation)
+    sx      another secret
+    sn      no secret, loopback (none-loopback)
+    sc      no secret, tight caps: 1 peer, 4 KiB of metadata, 1 handshake at a time
+    si      listens on 0.0.0.0 with insecure_peers."""
+    wd = Path(tempfile.mkdtemp(prefix="kvxa-"))
+    secret = secrets.token_hex(24).encode()
+    files = {n: secret_file(wd, n, secret) for n in ("sa", "sb")}
+    files["sx"] = secret_file(wd, "sx", secrets.token_hex(24).encode())
+    specs: dict[str, list[str]] = {
+        "sa": ["--set", f"peer_secret_file={files['sa']}"],
+        "sb": ["--set", f"peer_secret_file={files['sb']}", "--set", "peer_secret_overlap_s=3"],
+        "sx": ["--set", f"peer_secret_file={files['sx']}"],
+        "sn": [],
+        "sc": ["--set", "max_peers=1", "--set", "max_peer_metadata_bytes=4096", "--set", "max_pending_handshakes=1"],
+    }
+    procs = {name: spawn_daemon(wd, name, *args, wait=False) for name, args in specs.items()}
+    procs["si"] = spawn_daemon(wd, "si", "--set", "insecure_peers=true", wait=False, peer_listen="0.0.0.0:0")
+    try:
+        for p in procs.values():
+            wait_ready(p)
+        yield Fleet(wd, procs, secret, files)
+    finally:
+        for p in procs.values():
+            if p.proc.poll() is None:
+                p.proc.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            p.stop(timeout=30)
+        shutil.rmtree(wd, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def agent() -> Iterator[Any]:
+    from kvxferd.transport import NixlTransport
+
+    t = NixlTransport(f"kvx-auth-{os.getpid()}", progress_thread=False)
+    yield t
+    t.close()
+
+
+def one_room(tx_d: DaemonProc, rx_d: DaemonProc, room: int, mid: Callable[[], None] | None = None) -> None:
+    """A 3-chunk room tx_d -> rx_d, every byte checked; `mid` runs after the first chunk."""
+    chunks = [secrets.token_bytes(CHUNK) for _ in range(3)]
+    with PrefillSender(socket=tx_d.socket, group=f"g{room}", layout=LAYOUT, ring_bytes=1 << 20) as tx, \
+            DecodeReceiver(socket=rx_d.socket, group=f"d{room}", layout=LAYOUT, ring_bytes=1 << 20) as rx:
+        rx.expect(room, tx_d.peer_address, f"g{room}", 48)
+        for i, data in enumerate(chunks):
+            tx.send_chunk(room, i, 16 * i, 16, data, last=i == 2, aux=b"aux" if i == 2 else b"")
+            if i == 0 and mid is not None:
+                mid()
+        got, st = rx.receive(room, timeout=30)
+        assert [got[i] for i in range(3)] == chunks and st.aux == b"aux", "room bytes differ"
+        tx.wait(room, timeout=10)
+
+
+def failed_room(tx_d: DaemonProc, rx_d: DaemonProc, room: int) -> RoomFailed:
+    with DecodeReceiver(socket=rx_d.socket, group=f"x{room}", layout=LAYOUT, ring_bytes=1 << 20) as rx:
+        rx.expect(room, tx_d.peer_address, "nobody", 16)
+        with pytest.raises(RoomFailed) as ei:
+            rx.receive(room, timeout=30)
+    return ei.value
+
+
+# --------------------------------------------------------------------------- config and modes
+
+
+def test_peer_auth_modes_and_their_config_errors(tmp_path: Path) -> None:
+    sock = {"socket": str(tmp_path / "s.sock")}
+    assert load_config(None, env={}, overrides=sock).peer_auth_mode == "none-loopback"
+    with pytest.raises(ConfigError, match="not loopback and peers are not authenticated"):
+        load_config(None, env={}, overrides={**sock, "peer_listen": "0.0.0.0:7471"})
+    insecure = load_config(None, env={}, overrides={**sock, "peer_listen": "0.0.0.0:7471", "insecure_peers": True})
+    assert insecure.peer_auth_mode == "insecure"
+    good = secret_file(tmp_path, "good", b"s" * 32)
+    cfg = load_config(None, env={}, overrides={**sock, "peer_listen": "0.0.0.0:7471", "peer_secret_file": str(good)})
+    assert cfg.peer_auth_mode == "secret"
+    loose = secret_file(tmp_path, "loose", b"s" * 32)
+    loose.chmod(0o640)
+    with pytest.raises(ConfigError, match=r"accessible by group or others .*chmod 600"):
+        load_config(None, env={}, overrides={**sock, "peer_secret_file": str(loose)})
+    with pytest.raises(ConfigError, match="fewer than 16 bytes"):
+        load_config(None, env={}, overrides={**sock, "peer_secret_file": str(secret_file(tmp_path, "short", b"x"))})
+    with pytest.raises(ConfigError, match="choose one"):
+        Config(socket=sock["socket"], peer_secret_file=str(good), tls_client_auth=True, tls_ca=str(good),
+               tls_cert=str(good), tls_key=str(good)).validate()
+    for key, bad in (("max_peers", 0), ("max_pending_handshakes", 0), ("max_peer_metadata_bytes", 100),
+                     ("max_peer_batch_msgs", 10)):
+        with pytest.raises(ConfigError, match=key):
+            load_config(None, env={}, overrides={**sock, key: bad})
+
+
+def test_a_non_loopback_daemon_without_peer_authentication_refuses_to_start(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "kvxferd", "serve", "--socket", str(tmp_path / "s.sock"),
+                        "--peer-listen", "0.0.0.0:0", "--metrics-port", "-1"],
+                       capture_output=True, text=True, timeout=60, env=daemon_env(), cwd=ROOT)
+    assert r.returncode == 2, r
+    assert "not loopback and peers are not authenticated" in r.stderr and "insecure_peers" in r.stderr, r.stderr
+
+
+def test_auth_mode_shows_in_status_metrics_and_log(fleet: Fleet) -> None:
+    for name, mode in (("sa", "secret"), ("sn", "none-loopback"), ("si", "insecure")):
+        d = fleet.d[name]
+        assert status(d).peer_auth == mode, name
+        assert metric(d, "kvxferd_peer_auth_mode", f'mode="{mode}"') == 1.0, name
+        assert metric(d, "kvxferd_peer_auth_mode", 'mode="mtls"') == 0.0, name
+    assert "insecure_peers: the peer service" in fleet.d["si"].log_text()
+    assert "insecure_peers" not in fleet.d["sn"].log_text()
+
+
+# --------------------------------------------------------------------------- shared secret
+
+
+def test_secret_peers_complete_a_room_and_refuse_daemons_without_the_secret(fleet: Fleet) -> None:
+    sa, sb, sx, sn = (fleet.d[n] for n in ("sa", "sb", "sx", "sn"))
+    one_room(sa, sb, 1)
+    room = 2
+    for bad in (sx, sn):
+        # Either side dialing: the secret daemon refuses the other's handshake or its reply.
+        for tx, rx in ((sa, bad), (bad, sa)):
+            failed = failed_room(tx, rx, room)
+            room += 1
+            assert failed.failure_code in ("PEER_LOST", "MISMATCH"), failed
+    assert {p.daemon_id for p in status(sa).peers} == {"sb"}
+    assert "sa" not in {p.daemon_id for p in status(sx).peers}
+
+
+def test_handshake_proofs_are_checked_both_ways_and_bind_the_session(fleet: Fleet, agent: Any, tmp_path: Path) -> None:
+    sb = fleet.d["sb"]
+    c = Client(sb, fleet.secret, tmp_path)
+    wrong = Client(sb, secrets.token_hex(24).encode(), tmp_path)
+    md = agent.metadata()
+    me = DaemonRef("hs-client", "inst-1", "127.0.0.1:9")
+    key = c.auth.signing_keys()[0]
+    try:
+        hs = c.stub.Handshake
+        assert code_of(lambda: hs(c.request(me, agent.name, md), timeout=10))[0] == DENIED  # no proof
+        assert code_of(lambda: hs(wrong.request(me, agent.name, md, wrong.auth.signing_keys()[0]), timeout=10))[0] == DENIED
+        stale = c.auth.request_proof(me, agent.name, md, key)
+        assert stale is not None
+        old = Proof(stale.nonce, stale.unix_ms - 120_000, stale.mac)
+        assert code_of(lambda: hs(c.request(me, agent.name, md, proof=old), timeout=10))[0] == DENIED
+        # A proof for other metadata (or another id) does not cover this request.
+        other = c.auth.request_proof(me, agent.name, md + b"x", key)
+        assert code_of(lambda: hs(c.request(me, agent.name, md, proof=other), timeout=10))[0] == DENIED
+        assert "hs-client" not in {p.daemon_id for p in status(sb).peers}
+        # The real thing: accepted, and the reply proves sb holds the secret too.
+        req = c.request(me, agent.name, md, key)
+        reply = hs(req, timeout=10)
+        sent = proof_of(req)
+        peer = DaemonRef(reply.sender.daemon_id, reply.sender.instance_id, reply.sender.address)
+        binding = c.auth.verify_reply(peer, reply.agent_name, bytes(reply.nixl_metadata), me, sent, key, proof_of(reply))
+        with pytest.raises(Exception, match="does not match"):
+            c.auth.verify_reply(peer, reply.agent_name, bytes(reply.nixl_metadata) + b"x", me, sent, key, proof_of(reply))
+        assert code_of(lambda: hs(req, timeout=10)) == (DENIED, "handshake replayed")
+
+        def session(proof: Proof | None) -> tuple[grpc.StatusCode, str]:
+            hello = peer_pb2.PeerMsg(hello=peer_pb2.Hello(
+                sender=req.sender, peer_instance_id=peer.instance_id, proof=proof_pb(proof)))
+            return code_of(lambda: list(c.stub.Session(iter([peer_pb2.PeerBatch(msgs=[hello])]), timeout=10)))
+
+        assert session(None)[0] == DENIED
+        forged = c.auth.hello_proof(me, peer.instance_id, (binding[0], b"n" * 16, key))
+        assert session(forged)[0] == DENIED
+        unkeyed = wrong.auth.hello_proof(me, peer.instance_id, (binding[0], binding[1], wrong.auth.signing_keys()[0]))
+        assert session(unkeyed)[0] == DENIED
+        assert session(c.auth.hello_proof(me, peer.instance_id, binding))[0] == OK
+    finally:
+        c.close()
+        wrong.close()
+
+
+def test_secret_rotation_accepts_the_previous_secret_for_the_overlap(fleet: Fleet, agent: Any, tmp_path: Path) -> None:
+    sb = fleet.d["sb"]
+    new = secrets.token_hex(24).encode()
+    old_c, new_c = Client(sb, fleet.secret, tmp_path), Client(sb, new, tmp_path)
+    md = agent.metadata()
+
+    def handshake(c: Client, n: int) -> grpc.StatusCode:
+        ref = DaemonRef(f"rot-{n}", f"i-{n}", f"127.0.0.1:{20000 + n}")
+        return code_of(lambda: c.stub.Handshake(c.request(ref, agent.name, md, c.auth.signing_keys()[0]), timeout=10))[0]
+
+    try:
+        assert handshake(new_c, 1) == DENIED
+        secret_file(fleet.workdir, "sb", new)  # rewrites sb's file in place
+        time.sleep(1.5)  # the file is looked at once a second at most
+        assert handshake(new_c, 2) == OK
+        assert handshake(old_c, 3) == OK, "the previous secret was refused inside the overlap"
+        time.sleep(3.5)
+        assert handshake(old_c, 4) == DENIED, "the previous secret still works after the overlap"
+        assert handshake(new_c, 5) == OK
+        assert "rotated" in sb.log_text() and fleet.secret.decode() not in sb.log_text()
+    finally:
+        secret_file(fleet.workdir, "sb", fleet.secret)
+        old_c.close()
+        new_c.close()
+        time.sleep(1.5)
+
+
+# --------------------------------------------------------------------------- caps
+
+
+def test_peer_caps_are_refused_by_name_and_shown(fleet: Fleet, agent: Any, tmp_path: Path) -> None:
+    sc = fleet.d["sc"]
+    c = Client(sc, None, tmp_path)
+    md = agent.metadata()
+    try:
+        got = caps(sc)
+        assert got == {"peers": (0, 1), "peer_addresses": (0, 2), "pending_handshakes": (0, 1),
+                       "peer_metadata_bytes": (0, 4096), "peer_batch_msgs": (0, 4096)}, got
+        assert metric(sc, "kvxferd_cap_limit", 'cap="peers"') == 1.0
+        big = c.request(DaemonRef("p0", "i", "127.0.0.1:7"), agent.name, b"m" * 5000)
+        code, why = code_of(lambda: c.stub.Handshake(big, timeout=10))
+        assert code == EXHAUSTED and "peer_metadata_bytes" in why, (code, why)
+        first = c.stub.Handshake(c.request(DaemonRef("p1", "i-0", "127.0.0.1:7"), agent.name, md), timeout=10)
+        code, why = code_of(lambda: c.stub.Handshake(c.request(DaemonRef("p2", "i", "127.0.0.1:8"), agent.name, md),
+                                                     timeout=10))
+        assert code == EXHAUSTED and "cap peers" in why, (code, why)
+        assert {p.daemon_id for p in status(sc).peers} == {"p1"}
+        # Concurrent handshakes (p1 restarting over and over): beyond one in progress, refused.
+        with futures.ThreadPoolExecutor(16) as pool:
+            codes = list(pool.map(lambda i: code_of(lambda: c.stub.Handshake(c.request(
+                DaemonRef("p1", f"i-{i + 1}", "127.0.0.1:7"), agent.name, md), timeout=20)), range(16)))
+        refused = [w for k, w in codes if k == EXHAUSTED]
+        assert refused and all("pending_handshakes" in w for w in refused), codes
+        assert all(k in (OK, EXHAUSTED) for k, _ in codes), codes
+        assert caps(sc)["pending_handshakes"] == (0, 1)
+        # A batch over max_peer_batch_msgs ends the caller's own stream.
+        last = c.stub.Handshake(c.request(DaemonRef("p1", "i-last", "127.0.0.1:7"), agent.name, md), timeout=10)
+        hello = peer_pb2.PeerMsg(hello=peer_pb2.Hello(sender=peer_pb2.DaemonRef(
+            daemon_id="p1", instance_id="i-last", address="127.0.0.1:7"), peer_instance_id=last.sender.instance_id))
+        batches = [peer_pb2.PeerBatch(msgs=[hello]), peer_pb2.PeerBatch(msgs=[peer_pb2.PeerMsg()] * 4097)]
+        code, why = code_of(lambda: list(c.stub.Session(iter(batches), timeout=10)))
+        assert code == EXHAUSTED and "peer_batch_msgs" in why, (code, why)
+        assert first.sender.daemon_id == "sc"
+        got = caps(sc)
+        assert got["peers"] == (1, 1) and got["peer_metadata_bytes"][0] == len(md), got
+        assert sc.proc.poll() is None
+    finally:
+        c.close()
+
+
+# --------------------------------------------------------------------------- garbage floods
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _idle_cpu(pid: int, seconds: float = 2.0) -> float:
+    t0 = _cpu_s(pid)
+    time.sleep(seconds)
+    return (_cpu_s(pid) - t0) / seconds
+
+
+def test_garbage_handshakes_leave_nothing_behind(fleet: Fleet, agent: Any, tmp_path: Path) -> None:
+    """FLOOD handshakes with distinct ids and addresses and no valid proof (none, random, another
+    secret's, a stale one of ours, valid metadata or garbage) while a room is in flight: all
+    refused, the peer table unchanged, nothing dialed, CPU back to idle, RSS flat, log lines
+    rate-limited, and the room byte-exact."""
+    sa, sb = fleet.d["sa"], fleet.d["sb"]
+    one_room(sa, sb, 10)  # warm: the pair is handshaken, its first-room allocations made
+    pid = sb.proc.pid
+    before_peers, before_caps = {p.daemon_id for p in status(sb).peers}, caps(sb)
+    refusals0 = metric(sb, "kvxferd_peer_refusals_total", 'reason="handshake"')
+    log0 = sb.log_text().count("peer request refused")
+    idle0, rss0 = _idle_cpu(pid), _rss_kib(pid)
+    ours, theirs = Client(sb, fleet.secret, tmp_path), Client(sb, secrets.token_hex(24).encode(), tmp_path)
+    md = agent.metadata()
+    codes: dict[str, int] = {}
+
+    def flood() -> None:
+        key, bad_key = ours.auth.signing_keys()[0], theirs.auth.signing_keys()[0]
+        for i in range(FLOOD):
+            ref = DaemonRef(f"junk-{i}", f"i-{i}", f"10.{(i >> 8) & 255}.{i & 255}.1:{1024 + i}")
+            meta = md if i % 2 else secrets.token_bytes(64 + i % 300)
+            kind = i % 4
+            if kind == 0:
+                req = ours.request(ref, agent.name, meta)
+            elif kind == 1:
+                req = ours.request(ref, agent.name, meta, proof=Proof(secrets.token_bytes(16), int(time.time() * 1000),
+                                                                      secrets.token_bytes(32)))
+            elif kind == 2:
+                req = theirs.request(ref, agent.name, meta, bad_key)
+            else:
+                p = ours.auth.request_proof(ref, agent.name, meta, key)
+                assert p is not None
+                req = ours.request(ref, agent.name, meta, proof=Proof(p.nonce, p.unix_ms - 600_000, p.mac))
+            code, _ = code_of(lambda req=req: ours.stub.Handshake(req, timeout=10))
+            codes[code.name] = codes.get(code.name, 0) + 1
+
+    try:
+        t0 = time.monotonic()
+        one_room(sa, sb, 11, mid=flood)
+        took = time.monotonic() - t0
+    finally:
+        ours.close()
+        theirs.close()
+    print(f"flood: {FLOOD} handshakes in {took:.1f} s: {codes}")
+    assert codes == {"PERMISSION_DENIED": FLOOD}, codes
+    time.sleep(1.0)
+    idle1, rss1 = _idle_cpu(pid), _rss_kib(pid)
+    print(f"sb idle CPU {idle0:.3f} -> {idle1:.3f} cores, RSS {rss0 >> 10} -> {rss1 >> 10} MiB")
+    assert {p.daemon_id for p in status(sb).peers} == before_peers
+    assert caps(sb)["peers"] == before_caps["peers"] and caps(sb)["peer_addresses"] == before_caps["peer_addresses"]
+    assert caps(sb)["pending_handshakes"][0] == 0
+    assert metric(sb, "kvxferd_peer_refusals_total", 'reason="handshake"') - refusals0 == FLOOD
+    assert idle1 <= idle0 + 0.05, f"the daemon keeps working after the flood: {idle0:.3f} -> {idle1:.3f} cores"
+    assert rss1 - rss0 < 16 << 10, f"RSS grew {(rss1 - rss0) >> 10} MiB"
+    logged = sb.log_text().count("peer request refused") - log0
+    assert logged <= 2 + took / 10, f"{logged} refusal lines for {FLOOD} refusals"
+    one_room(sa, sb, 12)
+
+
+def test_handshakes_with_bad_metadata_leave_no_link(fleet: Fleet, tmp_path: Path) -> None:
+    """Without a secret (loopback), a handshake whose NIXL metadata does not load is refused and
+    leaves no link (no gRPC channel, no address) behind: the address count is unchanged. So does
+    a dial to an address where nothing answers."""
+    sn = fleet.d["sn"]
+    c = Client(sn, None, tmp_path)
+    before = caps(sn)["peer_addresses"]
+    try:
+        for i in range(200):
+            req = c.request(DaemonRef(f"bad-{i}", "i", f"10.9.{i}.1:{2000 + i}"), "agent", secrets.token_bytes(100))
+            assert code_of(lambda req=req: c.stub.Handshake(req, timeout=10))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        c.close()
+    assert caps(sn)["peer_addresses"] == before
+    assert not any(p.daemon_id.startswith("bad-") for p in status(sn).peers)
+    # Dialing out to addresses where no daemon answers leaves no link behind either.
+    with DecodeReceiver(socket=sn.socket, group="nowhere", layout=LAYOUT, ring_bytes=1 << 20) as rx:
+        for i in range(10):
+            rx.expect(500 + i, f"127.0.0.1:{closed_port()}", "g", 16)
+        for i in range(10):
+            with pytest.raises(RoomFailed):
+                rx.receive(500 + i, timeout=30)
+    assert caps(sn)["peer_addresses"] == before
