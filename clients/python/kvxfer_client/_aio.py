@@ -188,8 +188,8 @@ class _AsyncEngineClient:
 class AsyncPrefillSender(_AsyncEngineClient):
     role = engine_pb2.ROLE_PREFILL
 
-    def __init__(self, *, socket: str | None = None, call_timeout: float = 10.0) -> None:
-        super().__init__(socket=socket, call_timeout=call_timeout)
+    def __init__(self, *, socket: str | None = None, call_timeout: float = 10.0, tls: Tls | None = None) -> None:
+        super().__init__(socket=socket, call_timeout=call_timeout, tls=tls)
         # Each enqueue() also asks for the next slot, of the same size (see SpareSlot); set
         # `spare.enabled = False` to turn that off.
         self.spare = SpareSlot(True)
