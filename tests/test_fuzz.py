@@ -130,7 +130,14 @@ class FakePeer(peer_pb2_grpc.PeerServicer):
 
     def Session(self, request_iterator: Any, context: Any) -> Iterator[peer_pb2.PeerBatch]:
         # Reads (and drops) what the daemon sends; a keep-alive batch every 0.3 s keeps it up.
-        threading.Thread(target=lambda: [None for _ in request_iterator], daemon=True).start()
+        def drain() -> None:
+            try:
+                for _ in request_iterator:
+                    pass
+            except grpc.RpcError:
+                pass  # the daemon closed or reset the stream: expected in a fuzz run
+
+        threading.Thread(target=drain, daemon=True).start()
         while context.is_active():
             yield peer_pb2.PeerBatch()
             time.sleep(0.3)
