@@ -82,17 +82,18 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             return
         rest = peer_pb2.PeerBatch(msgs=first.msgs[1:])
         reader = asyncio.ensure_future(self._m.serve_stream(h, session, rest, request_iterator))
+        refused: BaseException | None = None
         try:
             await asyncio.wait([reader, done], return_when=asyncio.FIRST_COMPLETED)
             refused = reader.exception() if reader.done() and not reader.cancelled() else None
-            if isinstance(refused, KvxferError):
-                await context.abort(status_of(refused), str(refused))
         finally:
             reader.cancel()
             session.closed = True
             if session.writer is not None:
-                # The stream may end only once no write of it is pending.
+                # The stream may end (an abort included) only once no write of it is pending.
                 await asyncio.wait([session.writer], timeout=CONTROL_TIMEOUT_S)
+        if isinstance(refused, KvxferError):
+            await context.abort(status_of(refused), str(refused))
 
     async def Heartbeat(self, request: peer_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext) -> peer_pb2.HeartbeatReply:
         self._m.check_heartbeat(daemon_ref(request.sender) if request.HasField("sender") else None, creds_of(context))
