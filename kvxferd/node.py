@@ -202,8 +202,15 @@ class Node:
             return RoomView(key, RoomState.FAILED, dead[0], f"decode side: {dead[1]}")
         if isinstance(room, SendRoom):
             w = room.writers.get(eng.rank)
-            return RoomView(room.key, room.state, room.failure_code, room.failure_reason,
-                            chunks_done=len(w.done) if w is not None and w.engine is eng else 0)
+            mine = w is not None and w.engine is eng
+            state = room.state
+            if not mine and state is RoomState.TRANSFERRING:
+                # Other ranks' chunks made the room TRANSFERRING; this rank has sent nothing, so for
+                # it the room waits for its input. Engines send once they see WAITING_FOR_INPUT
+                # (sglang's scheduler does): TRANSFERRING here left such a rank waiting forever.
+                state = RoomState.WAITING_FOR_INPUT
+            return RoomView(room.key, state, room.failure_code, room.failure_reason,
+                            chunks_done=len(w.done) if mine and w is not None else 0)
         assert isinstance(room, RecvRoom)
         rs = room.readers[eng.rank]
         landed = tuple(

@@ -54,8 +54,14 @@ def test_ranks_of_a_group_see_its_rooms_before_their_first_chunk_and_release_for
             st = r1.poll(1)
             assert st.state in (RoomState.BOOTSTRAPPING, RoomState.WAITING_FOR_INPUT) and st.chunks_done == 0
             parts = [bytes([0x10 + r]) * (16 * HEAD_TOKEN) for r in (0, 1)]
-            for r, tx in enumerate(ranks):
-                tx.send_chunk(1, 0, 0, 16, parts[r], last=True)
+            wait_until(lambda: polled(r1, 1) is RoomState.WAITING_FOR_INPUT, 10, "room 1 to wait for input")
+            r0.send_chunk(1, 0, 0, 16, parts[0], last=True)
+            # Rank 0's chunk made the room TRANSFERRING; rank 1 has sent nothing, so for it the room
+            # still waits for its input (sglang's scheduler sends only then).
+            assert r0.poll(1).state in (RoomState.TRANSFERRING, RoomState.SUCCESS)
+            st = r1.poll(1)
+            assert st.state is RoomState.WAITING_FOR_INPUT and st.chunks_done == 0
+            r1.send_chunk(1, 0, 0, 16, parts[1], last=True)
             got, _ = rx.receive(1, timeout=30)
             assert got[0] == parts[0] + parts[1]  # the reader's slot holds head 0, then head 1
             for tx in ranks:

@@ -215,12 +215,14 @@ class KvxferdKVSender(BaseKVSender):
             st = self.tx.poll(self.room)
         except KvxferError as exc:
             if exc.code == grpc.StatusCode.NOT_FOUND and self.chunk_id == 0:
-                # The daemon shows a room to a prefill rank once the rank has enqueued into it.
-                # Before that the rank may go ahead: chunks wait in the ring until the decode
-                # side bootstraps, so prefill never waits for the decode's handshake.
+                # No rank of the group has enqueued and no decode rank has bootstrapped the room
+                # yet. The rank may go ahead: chunks wait in the ring until the decode side
+                # bootstraps, so prefill never waits for the decode's handshake.
                 return KVPoll.WaitingForInput
             self._error = str(exc)
             return KVPoll.Failed
+        if st.state is RoomState.BOOTSTRAPPING and self.chunk_id == 0:
+            return KVPoll.WaitingForInput  # another rank opened the room first: the same holds
         if st.state is RoomState.FAILED:
             self._error = f"{st.failure_code}: {st.failure_reason}"
         return _POLL[st.state]
