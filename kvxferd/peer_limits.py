@@ -1,6 +1,6 @@
 """Peer-side caps: what one peer (or a crowd of would-be peers) may make this daemon hold.
 
-Each cap is refused with ResourceExhausted (gRPC RESOURCE_EXHAUSTED) naming it, before the request
+Each cap is refused with CapExceeded (gRPC RESOURCE_EXHAUSTED) naming it, before the request
 touches any state, so a caller that hits one changes nothing for anyone else. Every cap's use and
 limit is in GetStatus (`peer_caps`) and in the kvxferd_cap_used / kvxferd_cap_limit gauges. For
 per-request caps (metadata, batch size) "used" is the largest request accepted so far.
@@ -13,7 +13,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvxferd.config import Config
-from kvxferd.errors import ResourceExhausted
+from kvxferd.errors import CapExceeded
+from kvxferd.limits import CapUsage
 from kvxferd.metrics import Metrics
 
 PEERS = "peers"
@@ -21,13 +22,6 @@ PEER_ADDRESSES = "peer_addresses"
 PENDING_HANDSHAKES = "pending_handshakes"
 PEER_METADATA_BYTES = "peer_metadata_bytes"
 PEER_BATCH_MSGS = "peer_batch_msgs"
-
-
-@dataclass(frozen=True)
-class CapUsage:
-    name: str
-    used: int
-    limit: int
 
 
 @dataclass(frozen=True)
@@ -63,8 +57,8 @@ class PeerLimits:
     def usage(self) -> tuple[CapUsage, ...]:
         return tuple(CapUsage(name, self._used[name](), limit) for name, limit in self._limits.items())
 
-    def _refuse(self, name: str, want: int) -> ResourceExhausted:
-        return ResourceExhausted(f"cap {name} reached: {want} > limit {self._limits[name]}")
+    def _refuse(self, name: str, want: int) -> CapExceeded:
+        return CapExceeded(f"cap {name} reached: {want} > limit {self._limits[name]}")
 
     @contextlib.contextmanager
     def handshake(self) -> Iterator[None]:
