@@ -3,10 +3,8 @@ the shared secret (kvxferd.peer_auth builds its proofs), plus status and metric 
 
 from __future__ import annotations
 
-import re
 import secrets
 import socket
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -47,12 +45,6 @@ def status(d: DaemonProc) -> engine_pb2.DaemonStatus:
 
 def caps(d: DaemonProc) -> dict[str, tuple[int, int]]:
     return {c.name: (c.used, c.limit) for c in status(d).peer_caps}
-
-
-def metric(d: DaemonProc, name: str, labels: str) -> float:
-    body = urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics", timeout=10).read().decode()
-    m = re.search(rf"^{re.escape(name)}\{{{re.escape(labels)}\}} (\S+)$", body, re.M)
-    return float(m.group(1)) if m else 0.0
 
 
 def code_of(fn: Callable[[], Any]) -> tuple[grpc.StatusCode, str]:

@@ -13,6 +13,7 @@ import pytest
 from kvxfer_client import Layout
 from kvxfer_client._pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc
 from tests.engine_procs import RoomPlan, decode_main, prefill_main
+from tests.faults.harness import metric
 
 LAYOUT = Layout(num_layers=2, total_kv_heads=2, head_dim=64, dtype_bytes=2, page_size=16, dtype="bfloat16")
 
@@ -105,14 +106,7 @@ def test_mixed_tp_pairs(daemons: Any, ptp: int, dtp: int) -> None:
     assert status(dec.socket).slots_held == 0
 
 
-def _rpc_count(metrics_port: int, method: str) -> int:
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    prefix = "kvxferd_rpc_duration_seconds_count{"
-    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith(prefix) and f'method="{method}"' in line))
+RPCS = "kvxferd_rpc_duration_seconds_count"  # one sample per (service, method, code)
 
 
 def test_a_sender_makes_one_call_per_chunk_and_gives_the_spare_slot_back(daemons: Any) -> None:
@@ -126,15 +120,15 @@ def test_a_sender_makes_one_call_per_chunk_and_gives_the_spare_slot_back(daemons
     with PrefillSender(socket=pre.socket, group="spare-pre", layout=LAYOUT, ring_bytes=4 << 20) as tx, \
             DecodeReceiver(socket=dec.socket, group="spare-dec", layout=LAYOUT, ring_bytes=4 << 20) as rx:
         rx.expect(1, pre.peer_address, "spare-pre", chunks * tokens)
-        acquires = _rpc_count(pre.metrics_port, "AcquireSlot")
+        acquires = metric(pre, RPCS, 'method="AcquireSlot"')
         for cid in range(chunks):
             tx.send_chunk(1, cid, cid * tokens, tokens, data[cid], last=cid == chunks - 1)
         got, final = rx.receive(1, timeout=30)
         assert final.state is RoomState.SUCCESS
         assert [got[c] for c in range(chunks)] == data
         # One AcquireSlot for the first chunk; every later slot came with the previous EnqueueChunk.
-        assert _rpc_count(pre.metrics_port, "AcquireSlot") - acquires == 1
-        assert _rpc_count(pre.metrics_port, "EnqueueChunk") >= chunks
+        assert metric(pre, RPCS, 'method="AcquireSlot"') - acquires == 1
+        assert metric(pre, RPCS, 'method="EnqueueChunk"') >= chunks
         tx.wait(1, timeout=10)
         st = status(pre.socket)
         # The spare is the engine's: counted on the engine, not as a slot held for a transfer.

@@ -32,7 +32,8 @@ from kvxferd.domain import DaemonRef
 from kvxferd.peer_auth import Proof
 from kvxferd.peer_link import proof_of, proof_pb
 from tests.conftest import ROOT, DaemonProc, daemon_env, spawn_daemon, wait_ready
-from tests.peer_client import Client, caps, closed_port, code_of, metric, secret_file, status
+from tests.faults.harness import metric
+from tests.peer_client import Client, caps, closed_port, code_of, secret_file, status
 
 LAYOUT = Layout(num_layers=2, total_kv_heads=2, head_dim=16, dtype_bytes=2, page_size=16)
 CHUNK = 16 * 256  # bytes of 16 tokens of LAYOUT

@@ -156,15 +156,16 @@ def fault_command(d: DaemonProc, command: str) -> None:
     wait_until(lambda: not ctl.exists(), 5, f"the fault command {command!r} to be taken")
 
 
-def metric(d: DaemonProc, name: str) -> float:
-    """Sum of a Prometheus sample over all its label sets, scraped from the daemon's /metrics."""
+def metric(d: DaemonProc, name: str, label: str = "") -> float:
+    """Sum of a Prometheus sample over its label sets (those holding `label`, e.g. 'method="X"',
+    when given), scraped from the daemon's /metrics."""
     import urllib.request
 
     with urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics", timeout=5) as r:
         text = r.read().decode()
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
+        if (line.startswith(name + "{") or line.startswith(name + " ")) and label in line.rsplit(" ", 1)[0]:
             total += float(line.rsplit(" ", 1)[1])
     return total
 
