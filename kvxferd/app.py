@@ -34,13 +34,15 @@ from kvxferd import __version__
 from kvxferd.config import Config, loopback_listen
 from kvxferd.domain import FailureCode
 from kvxferd.faults import FAULT_CONTROL_SUFFIX, PostDelay, fault_control
-from kvxferd.memory import HostPool
+from kvxferd.lane import LANE_SUFFIX, LaneServer
+from kvxferd.memory import POOL_SUFFIX, HostPool
 from kvxferd.metrics import Metrics, start_metrics_server
 from kvxferd.node import Node
 from kvxferd.owned import Busy, OwnerLock, check_dir
 from kvxferd.peer_link import grpc_options
 from kvxferd.peer_servicer import PEER_UNARY, PeerServicer
 from kvxferd.peers import PeerManager
+from kvxferd.pool_socket import PoolSocket
 from kvxferd.ports import Identity
 from kvxferd.registry import REGISTRY_HEALTH
 from kvxferd.registry_etcd import RegistryUnavailable, make_registry
@@ -144,8 +146,9 @@ def _claim_socket(path: str) -> OwnerLock:
         raise StartupError(f"cannot claim the socket {path}: {exc.strerror or exc}") from exc
     try:
         _remove_stale_socket(path)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path + FAULT_CONTROL_SUFFIX)
+        for leftover in (path + FAULT_CONTROL_SUFFIX, path + POOL_SUFFIX, path + LANE_SUFFIX):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(leftover)
     except BaseException:
         lock.release()
         raise
@@ -211,6 +214,8 @@ class _Daemon:
     peers: PeerManager | None = None
     health: health.aio.HealthServicer | None = None
     servers: list[grpc.aio.Server] = field(default_factory=list)
+    pool_socket: PoolSocket | None = None
+    lane: LaneServer | None = None
     metrics_server: asyncio.AbstractServer | None = None
     background: list[asyncio.Future[Any]] = field(default_factory=list)
 
@@ -241,8 +246,8 @@ async def _start(d: _Daemon, ready: Callable[[Ready], None] | None) -> None:
     engine_server = grpc.aio.server(options=[*opts, ("grpc.so_reuseport", 0)])
     peer_server = grpc.aio.server(options=[*opts, ("grpc.so_reuseport", 0)])
     d.servers = [engine_server, peer_server]
-    engine_pb2_grpc.add_EngineServicer_to_server(
-        EngineServicer(node, metrics, _cuda_importer(transport), peers.status), engine_server)
+    engine_servicer = EngineServicer(node, metrics, _cuda_importer(transport), peers.status)
+    engine_pb2_grpc.add_EngineServicer_to_server(engine_servicer, engine_server)
     peer_servicer = PeerServicer(ident, peers, transport)
     wrap_servicer(peer_servicer, "Peer", metrics, PEER_UNARY)
     peer_pb2_grpc.add_PeerServicer_to_server(peer_servicer, peer_server)
@@ -271,14 +276,28 @@ async def _start(d: _Daemon, ready: Callable[[Ready], None] | None) -> None:
     for srv in d.servers:
         await srv.start()
     os.chmod(config.socket, config.socket_mode)
+    gid = -1
     if config.socket_group:
         try:
             gid = grp.getgrnam(config.socket_group).gr_gid
             os.chown(config.socket, -1, gid)
-            # Engines of that group must also map the host pool their rings live in.
-            os.chown(pool.path, -1, gid)
+            if pool.path:
+                # Engines of that group must also map the host pool their rings live in.
+                os.chown(pool.path, -1, gid)
         except (KeyError, PermissionError) as exc:
             raise StartupError(f"cannot give the socket to group {config.socket_group!r}: {exc}") from exc
+    if config.engine_lane:
+        d.lane = LaneServer(config.socket + LANE_SUFFIX, engine_servicer.lane_methods(), config.max_message_bytes)
+        try:
+            await d.lane.start(config.socket_mode, gid)
+        except OSError as exc:
+            raise StartupError(f"cannot serve the engine lane on {d.lane.path}: {exc.strerror or exc}") from exc
+    if not pool.path:
+        d.pool_socket = PoolSocket(config.socket + POOL_SUFFIX, pool.fd, instance, pool.size)
+        try:
+            d.pool_socket.start(loop, config.socket_mode, gid)
+        except OSError as exc:
+            raise StartupError(f"cannot serve the host pool on {d.pool_socket.path}: {exc.strerror or exc}") from exc
     metrics_port = -1
     if config.metrics_port >= 0:
         try:
@@ -377,6 +396,10 @@ async def _close(d: _Daemon) -> None:
         await srv.stop(0.5)
     if d.metrics_server is not None:
         d.metrics_server.close()
+    if d.pool_socket is not None:
+        d.pool_socket.close()
+    if d.lane is not None:
+        await d.lane.close()
     if d.workers is not None:
         d.workers.stop()
     if d.transport is not None:
@@ -386,7 +409,7 @@ async def _close(d: _Daemon) -> None:
             logger.warning("closing the transport failed: %s", exc)
     d.pool.close()
     # Nothing is left behind: the socket, the fault file, and last the lock that owned them.
-    for leftover in (d.config.socket, d.config.socket + FAULT_CONTROL_SUFFIX):
+    for leftover in (d.config.socket, *(d.config.socket + sfx for sfx in (FAULT_CONTROL_SUFFIX, POOL_SUFFIX, LANE_SUFFIX))):
         with contextlib.suppress(OSError):
             os.unlink(leftover)
     d.socket_lock.release()
@@ -402,10 +425,24 @@ async def serve(
     instance = uuid.uuid4().hex[:12]
     lock = _claim_socket(config.socket)
     try:
-        pool = HostPool(config.shm_dir, config.host_pool_bytes, instance, mode=config.socket_mode | 0o600)
+        pool = HostPool(config.shm_dir, config.host_pool_bytes, instance, mode=config.socket_mode | 0o600,
+                        backing=config.pool_backing)
     except OSError as exc:
         lock.release()
-        raise StartupError(f"cannot create the host pool in {config.shm_dir}: {exc.strerror or exc}") from exc
+        where = "on a private huge-page tmpfs" if config.pool_backing == "private" else f"in {config.shm_dir}"
+        raise StartupError(f"cannot create the host pool {where}: {exc.strerror or exc}") from exc
+    t0 = time.monotonic()
+    try:
+        if config.prefault_pool:
+            pool.prefault()
+    except OSError as exc:
+        pool.close()
+        lock.release()
+        raise StartupError(f"cannot make the {pool.size >> 20} MiB host pool resident ({pool.backing}): "
+                           f"{exc.strerror or exc}; lower host_pool_bytes or free memory") from exc
+    logger.info("host pool: %d MiB, %s%s, %s", pool.size >> 20, pool.backing,
+                f" at {pool.path}" if pool.path else " (handed to engines by fd)",
+                f"resident after {time.monotonic() - t0:.2f} s" if config.prefault_pool else "pages placed on first use")
     d = _Daemon(config, Metrics(), pool, lock)
     try:
         await _start(d, ready)

@@ -127,7 +127,8 @@ def _status(args: argparse.Namespace) -> int:
     head.add_row("serving", "yes" if st.serving else "NO (draining)")
     head.add_row("peer address", st.peer_address)
     head.add_row("uptime", f"{st.uptime_s:.0f} s")
-    head.add_row("host pool", f"{st.pool_bytes / 2**20:.0f} MiB")
+    head.add_row("host pool", f"{st.pool_bytes / 2**20:.0f} MiB, {st.pool_backing or '?'}"
+                 f" ({st.pool_huge_bytes / 2**20:.0f} MiB on huge pages so far)")
     head.add_row("slots held", str(st.slots_held))
     head.add_row("fleet registry", registry)
     head.add_row("peer auth", st.peer_auth)

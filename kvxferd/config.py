@@ -54,6 +54,7 @@ PEER_BATCH_MSGS = 4096
 # Shortest shared peer secret accepted (bytes, surrounding whitespace removed).
 MIN_SECRET_BYTES = 16
 PEER_AUTH_MODES = ("mtls", "secret", "none-loopback", "insecure")
+POOL_BACKINGS = ("auto", "private", "shm_dir")
 
 
 def loopback_listen(hostport: str) -> bool:
@@ -101,6 +102,14 @@ class Config:
     metrics_port: int = 9479
     host_pool_bytes: int = 256 << 20
     shm_dir: str = "/dev/shm"
+    # "auto": a private huge-page tmpfs handed to engines by fd, else a file in shm_dir (warned);
+    # "private": that or no start; "shm_dir": always a named file in shm_dir (kvxferd.memory).
+    pool_backing: str = "auto"
+    # Serve the engine API's unary calls on <socket>.lane too (kvxferd.lane): same calls, a
+    # fraction of gRPC's CPU per call; engines use it when the registration reply names it.
+    engine_lane: bool = True
+    # Make the whole pool resident at start (kvxferd.memory.HostPool.prefault).
+    prefault_pool: bool = True
     workers: int = 2
     # A reader ring is granted to a prefill daemon in windows of ring_size / credit_split bytes
     # (more windows on demand): 1 gives one peer the whole ring at once, larger values share a
@@ -221,6 +230,8 @@ class Config:
         self._validate_registry()
         if not Path(self.shm_dir).is_dir():
             raise ConfigError(f"shm_dir {self.shm_dir!r} is not a directory")
+        if self.pool_backing not in POOL_BACKINGS:
+            raise ConfigError(f"pool_backing must be one of {', '.join(POOL_BACKINGS)}, got {self.pool_backing!r}")
         _check_socket_path(self.socket)
         return self
 

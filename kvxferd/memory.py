@@ -9,7 +9,9 @@ which a strict (round, tail) FIFO ring would do.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
+import errno
 import logging
 import mmap
 import os
@@ -18,10 +20,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvxferd.errors import InvalidArgument, ResourceExhausted
+from kvxferd.hugepool import (
+    HUGE_PAGE,
+    Unavailable,
+    huge_bytes_mapped,
+    huge_mount_page_size,
+    mount_of,
+    private_huge_file,
+)
 from kvxferd.owned import check_dir, create_locked, remove_unowned
 
 logger = logging.getLogger(__name__)
 
+_MADV_POPULATE_WRITE = 23
 SLOT_ALIGN = 256
 REGION_ALIGN = 1 << 12
 
@@ -118,70 +129,102 @@ _POOL_RE = re.compile(r"^kvxferd-[0-9a-f]{6,32}\.pool$")
 _LEGACY_POOL_RE = re.compile(r"^kvxferd-(\d+)-[0-9a-f]+\.pool$")
 
 
-def huge_page_size(directory: str) -> int:
-    """The page size of the hugetlbfs mount holding `directory`, or 0 if it is not on one.
-
-    A pool on huge pages is what makes NIXL's copies cheap on one host: UCX's CMA transport pins
-    every page of both buffers per WRITE, and with 4 KiB tmpfs pages (shmem THP is off by default)
-    measured copies ran at about 0.4x of the same copy between buffers on transparent huge pages.
-    """
-    try:
-        real = os.path.realpath(directory)
-        best, size = "", 0
-        with open("/proc/mounts") as fh:
-            for line in fh:
-                parts = line.split()
-                if len(parts) < 4 or not (real == parts[1] or real.startswith(parts[1].rstrip("/") + "/")):
-                    continue
-                if len(parts[1]) < len(best):
-                    continue
-                best = parts[1]
-                size = 0
-                if parts[2] == "hugetlbfs":
-                    size = 2 << 20
-                    for opt in parts[3].split(","):
-                        if opt.startswith("pagesize="):
-                            size = parse_page_size(opt.split("=", 1)[1])
-        return size
-    except OSError:
-        return 0
-
-
-def parse_page_size(text: str) -> int:
-    m = re.fullmatch(r"(\d+)([KMG]?)", text.upper().rstrip("B"))
-    if not m:
-        return 2 << 20
-    return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2)]
+POOL_SUFFIX = ".pool"
 
 
 class HostPool:
-    """One shared-memory file per daemon, mapped here and by local engines. On a hugetlbfs mount
-    (`shm_dir = "/dev/hugepages"`) the pool is backed by huge pages; see huge_page_size."""
+    """The daemon's host memory, mapped here and by local engines (their rings are windows of it).
 
-    def __init__(self, shm_dir: str, size: int, tag: str, mode: int = 0o600) -> None:
-        self.page_size = huge_page_size(shm_dir)
-        self.size = align_up(size, self.page_size or REGION_ALIGN)
+    Backings, by `pool_backing`:
+    - ``private`` (what ``auto`` tries first): an unnamed file on a private huge-page tmpfs
+      (kvxferd.hugepool), handed to engines as a file descriptor over ``<socket>.pool``;
+    - ``shm_dir``: a named file in `shm_dir`, opened by engines by path. On hugetlbfs or on a
+      tmpfs mounted with ``huge=`` it gets huge pages; elsewhere 4 KiB pages, which make every
+      NIXL WRITE into it cost about twice the CPU over CMA (see kvxferd.hugepool).
+    ``auto`` keeps `shm_dir` when that is already on huge pages (the operator's choice), and
+    falls back to it with a warning when no private huge tmpfs can be made here.
+    """
+
+    def __init__(self, shm_dir: str, size: int, tag: str, mode: int = 0o600, backing: str = "auto") -> None:
         self.tag = tag
-        warning = check_dir(shm_dir, "shm_dir")
-        if warning:
-            logger.warning("%s", warning)
-        _remove_stale_pools(shm_dir)
-        self.path = str(Path(shm_dir) / f"kvxferd-{tag}.pool")
-        # The open fd holds the pool's lock for the daemon's life: that, not a PID, tells the next
-        # daemon started on this shm_dir (in any PID namespace) whether the pool is still in use.
-        self._fd = create_locked(self.path, mode)
+        self.path = ""
+        self.backing = ""
+        shm_huge = huge_mount_page_size(shm_dir)
+        fd = -1
+        if backing == "private" or (backing == "auto" and not shm_huge):
+            try:
+                fd = private_huge_file(size)
+                self.backing, self.page_size = "private-huge-tmpfs", HUGE_PAGE
+            except Unavailable as exc:
+                if backing == "private":
+                    raise
+                logger.warning("host pool: no private huge-page tmpfs here (%s); using 4 KiB pages in %s, "
+                               "which makes each NIXL WRITE into this daemon cost about twice the CPU. "
+                               "Fix: let the daemon unshare a mount namespace, or put shm_dir on "
+                               "hugetlbfs or a tmpfs mounted with huge=within_size", exc.strerror or exc, shm_dir)
+        if fd < 0:
+            fd = self._create_named(shm_dir, size, mode, shm_huge)
+        self._fd = fd
         try:
-            os.fchmod(self._fd, mode)
-            os.ftruncate(self._fd, self.size)
-            self._mm = mmap.mmap(self._fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self.size = os.fstat(fd).st_size
+            self._mm = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
-            os.unlink(self.path)
-            os.close(self._fd)
+            self._unlink()
+            os.close(fd)
             raise
+        if self.page_size:
+            # A tmpfs mounted huge=advise gives huge pages only to mappings that ask.
+            with contextlib.suppress(OSError, AttributeError):
+                self._mm.madvise(mmap.MADV_HUGEPAGE)
         self._anchor = ctypes.c_char.from_buffer(self._mm)
         self.base_addr = ctypes.addressof(self._anchor)
         self.regions = RingAllocator(self.size, REGION_ALIGN)
         self._closed = False
+
+    def _create_named(self, shm_dir: str, size: int, mode: int, huge: int) -> int:
+        self.page_size = huge
+        self.backing = "hugetlbfs" if mount_of(shm_dir)[1] == "hugetlbfs" else ("tmpfs-huge" if huge else "tmpfs")
+        warning = check_dir(shm_dir, "shm_dir")
+        if warning:
+            logger.warning("%s", warning)
+        _remove_stale_pools(shm_dir)
+        self.path = str(Path(shm_dir) / f"kvxferd-{self.tag}{POOL_SUFFIX}")
+        # The open fd holds the pool's lock for the daemon's life: that, not a PID, tells the next
+        # daemon started on this shm_dir (in any PID namespace) whether the pool is still in use.
+        fd = create_locked(self.path, mode)
+        try:
+            os.fchmod(fd, mode)
+            os.ftruncate(fd, align_up(size, huge or REGION_ALIGN))
+        except BaseException:
+            self._unlink()
+            os.close(fd)
+            raise
+        return fd
+
+    def prefault(self) -> None:
+        """Makes every page of the pool resident now. The first WRITE into a page otherwise pays
+        for zeroing it, inside the copy (a fifth of the copy thread's time in the first loopback
+        runs); a daemon's pool is its pinned memory and is used whole by the engines' rings."""
+        try:
+            self._mm.madvise(_MADV_POPULATE_WRITE)
+            return
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                # Out of memory or the tmpfs is full: an error now, where a touch would be SIGBUS.
+                raise
+        # Before Linux 5.14 (no MADV_POPULATE_WRITE): touch one byte per page.
+        step = self.page_size or mmap.PAGESIZE
+        for off in range(0, self.size, step):
+            self._mm[off] = self._mm[off]
+
+    @property
+    def fd(self) -> int:
+        """The pool's open file (handed to engines when the pool has no path)."""
+        return self._fd
+
+    def huge_bytes(self) -> int:
+        """Bytes of the pool mapped here with huge pages so far (pages are placed on first touch)."""
+        return huge_bytes_mapped(self.base_addr, self.size)
 
     def allocate_region(self, length: int) -> int:
         offset = self.regions.alloc(length)
@@ -201,6 +244,11 @@ class HostPool:
             raise InvalidArgument(f"range [{offset}, {offset + length}) is outside the pool")
         return memoryview(self._mm)[offset : offset + length]
 
+    def _unlink(self) -> None:
+        if self.path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
     def close(self) -> None:
         if self._closed:
             return
@@ -210,10 +258,7 @@ class HostPool:
             self._mm.close()
         except BufferError:
             logger.warning("host pool still has live views at close; leaving the mapping to the OS")
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        self._unlink()
         os.close(self._fd)  # the lock goes last: nobody may take the name for stale before it is gone
 
 

@@ -318,6 +318,8 @@ class Node:
             "rooms_by_state": counts,
             "slots_held": self.slots_held(),
             "pool_bytes": self.pool.size,
+            "pool_backing": self.pool.backing,
+            "pool_huge_bytes": self.pool.huge_bytes(),
             "uptime_s": time.monotonic() - self.started,
             "peer_address": self.ident.address,
             "caps": self.caps(),

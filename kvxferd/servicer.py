@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
+from google.protobuf.message_factory import GetMessageClass
 
 from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from kvxferd import errors
@@ -22,7 +23,9 @@ from kvxferd.convert import chunk_spec, engine_spec, room_event_pb, room_key, ro
 from kvxferd.domain import Role, SlotRef
 from kvxferd.engines import Engine, Ring
 from kvxferd.gpu import gpu_data_path
+from kvxferd.lane import LANE_SUFFIX
 from kvxferd.limits import MAX_ID, StreamTicket, check_len
+from kvxferd.memory import POOL_SUFFIX
 from kvxferd.metrics import Metrics
 from kvxferd.node import Node
 from kvxferd.peer_limits import PeerStatus
@@ -109,6 +112,13 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self._pending = PendingRegistrations()
         wrap_servicer(self, "Engine", metrics, self.UNARY)
 
+    def lane_methods(self) -> dict[str, tuple[Any, Any]]:
+        """What kvxferd.lane serves: every unary call but RegisterEngine (which hands out the
+        lane), each with its request class."""
+        service = engine_pb2.DESCRIPTOR.services_by_name["Engine"]
+        return {name: (getattr(self, name), GetMessageClass(service.methods_by_name[name].input_type))
+                for name in self.UNARY if name != "RegisterEngine"}
+
     async def RegisterEngine(self, request: engine_pb2.RegisterEngineRequest, context: Any) -> engine_pb2.RegisterEngineReply:
         spec = engine_spec(request)
         node = self._node
@@ -133,6 +143,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         eng = got
         return engine_pb2.RegisterEngineReply(
             engine_id=eng.id, pool_path=node.pool.path, pool_bytes=node.pool.size,
+            pool_socket="" if node.pool.path else node.config.socket + POOL_SUFFIX,
+            lane_socket=node.config.socket + LANE_SUFFIX if node.config.engine_lane else "",
             ring_offset=eng.ring.pool_offset if eng.ring.kind == "host" else 0, ring_bytes=eng.ring.size,
             lease_ms=int(node.lease_s(eng) * 1000), daemon_id=node.ident.daemon_id, peer_address=node.ident.address,
         )
@@ -293,6 +305,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             rooms_by_state=st["rooms_by_state"],  # type: ignore[arg-type]
             slots_held=int(st["slots_held"]),  # type: ignore[call-overload]
             pool_bytes=int(st["pool_bytes"]),  # type: ignore[call-overload]
+            pool_backing=str(st["pool_backing"]),
+            pool_huge_bytes=int(st["pool_huge_bytes"]),  # type: ignore[call-overload]
             uptime_s=float(st["uptime_s"]),  # type: ignore[arg-type]
             peer_address=str(st["peer_address"]),
             gpu_data_path=gpu_data_path(self._node.config.data_path),

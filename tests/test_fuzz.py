@@ -34,6 +34,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvxfer_client._common import receive_pool, registration
 from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
 from kvxferd.app import Ready, serve
 from kvxferd.config import load_config
@@ -213,7 +214,7 @@ def world() -> Iterator[World]:
             ring_bytes=RING, name=f"fuzz-{name}",
         ), timeout=10)
     reg = engines["P1"]
-    fd = os.open(reg.pool_path, os.O_RDWR)
+    fd = receive_pool(registration(reg)) if reg.pool_socket else os.open(reg.pool_path, os.O_RDWR)
     try:
         pool = mmap.mmap(fd, reg.pool_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:

@@ -47,7 +47,10 @@ def leftovers(d: DaemonProc) -> list[str]:
 
 
 def start(daemons: Any, name: str, shm: Path, *extra: str, wait: bool = True) -> DaemonProc:
-    d: DaemonProc = daemons(name, "--set", f"shm_dir={shm}", *extra, pool="8MiB", wait=wait)
+    # These tests are about a pool named in shm_dir (pool_backing=shm_dir); an fd-passed pool is
+    # named nowhere and is checked in tests/test_lane.py.
+    d: DaemonProc = daemons(name, "--set", f"shm_dir={shm}", "--set", "pool_backing=shm_dir", *extra, pool="8MiB",
+                            wait=wait)
     return d
 
 

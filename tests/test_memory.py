@@ -53,7 +53,7 @@ def test_ring_rejects_bad_free() -> None:
 
 
 def test_host_pool_shared_mapping(tmp_path: Path) -> None:
-    pool = HostPool(str(tmp_path), 1 << 20, "t")
+    pool = HostPool(str(tmp_path), 1 << 20, "t", backing="shm_dir")
     try:
         off = pool.allocate_region(8192)
         pool.view(off, 4)[:] = b"abcd"

@@ -11,7 +11,6 @@ import datetime
 import errno
 import ipaddress
 import json
-import mmap
 import os
 import shutil
 import signal
@@ -87,24 +86,6 @@ def connect_errno(path: str) -> Callable[[], int]:
     return go
 
 
-def map_errno(path: str) -> Callable[[], int]:
-    """Opens and maps the host pool read-write, as an engine does."""
-
-    def go() -> int:
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except OSError as exc:
-            return exc.errno or 97
-        try:
-            mm = mmap.mmap(fd, 4096, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            mm.close()
-        finally:
-            os.close(fd)
-        return 0
-
-    return go
-
-
 def register(socket_path: str) -> engine_pb2.RegisterEngineReply:
     with grpc.insecure_channel(f"unix:{socket_path}") as ch:
         return engine_pb2_grpc.EngineStub(ch).RegisterEngine(engine_pb2.RegisterEngineRequest(
@@ -162,10 +143,12 @@ def test_engine_socket_and_pool_are_private_to_the_daemon_user(fleet: Fleet) -> 
     d = fleet.d["plain"]
     st = os.stat(d.socket)
     assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.geteuid()
-    pool = register(d.socket).pool_path
+    # The pool is handed out on <socket>.pool (fd passing): that socket is the gate to it.
+    pool = register(d.socket).pool_socket
     assert stat.S_IMODE(os.stat(pool).st_mode) == 0o600
     assert as_user(NOBODY, NOBODY, connect_errno(d.socket)) == errno.EACCES
-    assert as_user(NOBODY, NOBODY, map_errno(pool)) == errno.EACCES
+    assert as_user(NOBODY, NOBODY, connect_errno(pool)) == errno.EACCES
+    assert as_user(NOBODY, NOBODY, connect_errno(d.socket + ".lane")) == errno.EACCES
     assert as_user(os.geteuid(), os.getegid(), connect_errno(d.socket)) == 0  # the probe itself works
 
 
@@ -174,15 +157,15 @@ def test_socket_group_lets_its_members_in_and_nobody_else(fleet: Fleet) -> None:
     d = fleet.d["grp"]
     st = os.stat(d.socket)
     assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == NOBODY
-    pool = register(d.socket).pool_path
+    pool = register(d.socket).pool_socket
     pst = os.stat(pool)
-    assert stat.S_IMODE(pst.st_mode) == 0o660 and pst.st_gid == NOBODY, "engines of the group could not map the pool"
-    # A member of the group (uid nobody, gid nogroup) may connect and map the pool ...
-    assert as_user(NOBODY, NOBODY, connect_errno(d.socket)) == 0
-    assert as_user(NOBODY, NOBODY, map_errno(pool)) == 0
-    # ... a user outside it may do neither.
-    assert as_user(54321, 54321, connect_errno(d.socket)) == errno.EACCES
-    assert as_user(54321, 54321, map_errno(pool)) == errno.EACCES
+    assert stat.S_IMODE(pst.st_mode) == 0o660 and pst.st_gid == NOBODY, "engines of the group could not get the pool"
+    # A member of the group (uid nobody, gid nogroup) may connect to all three sockets ...
+    for path in (d.socket, pool, d.socket + ".lane"):
+        assert as_user(NOBODY, NOBODY, connect_errno(path)) == 0, path
+    # ... a user outside it to none.
+    for path in (d.socket, pool, d.socket + ".lane"):
+        assert as_user(54321, 54321, connect_errno(path)) == errno.EACCES, path
 
 
 # --------------------------------------------------------------------------- certificates

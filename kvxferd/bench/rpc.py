@@ -150,12 +150,17 @@ class RpcBench:
 
     # ------------------------------------------------------------------ phases
 
-    def unary_paced(self, chunks: list[Any], tick: Callable[[int], None]) -> dict[str, Any]:
+    def unary_paced(self, chunks: list[Any], tick: Callable[[int], None], via: str = "lane") -> dict[str, Any]:
         """Open loop: call i leaves at t0 + i/rate whether or not earlier calls have answered
-        (grpc futures), so the offered rate holds even when one call takes longer than 1/rate."""
+        (grpc futures), so the offered rate holds even when one call takes longer than 1/rate.
+
+        via="lane": what the client uses when the daemon serves its lane (kvxferd.lane); the calls
+        are synchronous, so a late one delays the next: latency_from_schedule_us counts that."""
         from kvxfer_client._common import chunk_request
 
-        stub, eid = self.tx.stub, self.tx.engine_id
+        if via == "lane" and self.tx.stub.lane is not None:
+            return self._unary_paced_lane(chunks, tick)
+        stub, eid = self.tx.stub._grpc, self.tx.engine_id
         period = 1.0 / self.s.rate
         n = len(chunks)
         sent = [0.0] * n
@@ -204,7 +209,43 @@ class RpcBench:
             "offered_rate": self.s.rate, "calls": n, "achieved_send_rate": n / send_wall,
             "completed": len(lat), "errors": bad[0] + (n - len(lat)),
             "latency_us": latency_summary(lat, 1e6), "send_lateness_us": latency_summary(late, 1e6),
-            "latency_from_schedule_us": latency_summary(corrected, 1e6), "cpu_s": cpu,
+            "latency_from_schedule_us": latency_summary(corrected, 1e6), "cpu_s": cpu, "via": "grpc",
+        }
+
+    def _unary_paced_lane(self, chunks: list[Any], tick: Callable[[int], None]) -> dict[str, Any]:
+        from kvxfer_client._common import chunk_request
+
+        stub, eid = self.tx.stub, self.tx.engine_id
+        period = 1.0 / self.s.rate
+        sent, done, due_at, bad = [], [], [], 0
+        meter = self.meter()
+        meter.start()
+        t0 = time.perf_counter() + 0.01
+        for i, c in enumerate(chunks):
+            due = t0 + i * period
+            now = time.perf_counter()
+            if due > now:
+                time.sleep(due - now)
+            req = chunk_request(eid, c)
+            due_at.append(due)
+            sent.append(time.perf_counter())
+            try:
+                if stub.EnqueueChunk(req, timeout=30).code != 0:
+                    bad += 1
+            except Exception:
+                bad += 1
+            done.append(time.perf_counter())
+            if i % 200 == 199:
+                tick(200)
+        send_wall = sent[-1] - t0 if sent else 1.0
+        cpu = meter.stop()
+        return {
+            "via": "lane", "offered_rate": self.s.rate, "calls": len(chunks),
+            "achieved_send_rate": len(chunks) / max(send_wall, 1e-9), "completed": len(done), "errors": bad,
+            "latency_us": latency_summary([d - s for s, d in zip(sent, done, strict=True)], 1e6),
+            "send_lateness_us": latency_summary([max(0.0, s - u) for s, u in zip(sent, due_at, strict=True)], 1e6),
+            "latency_from_schedule_us": latency_summary([d - u for d, u in zip(done, due_at, strict=True)], 1e6),
+            "cpu_s": cpu,
         }
 
     def unary_closed(self, chunks: list[Any]) -> dict[str, Any]:
@@ -278,7 +319,7 @@ def _print(con: Any, result: dict[str, Any]) -> None:
     t.add_column("measure")
     t.add_column("value", justify="right")
     u = result["unary_paced"]
-    t.add_row(f"unary EnqueueChunk at {u['offered_rate']:.0f}/s: p50 / p90 / p99 / max",
+    t.add_row(f"unary EnqueueChunk at {u['offered_rate']:.0f}/s ({u.get('via', 'grpc')}): p50 / p90 / p99 / max",
               f"{u['latency_us']['p50']:.0f} / {u['latency_us']['p90']:.0f} / {u['latency_us']['p99']:.0f} / "
               f"{u['latency_us']['max']:.0f} µs")
     t.add_row("  achieved send rate, send lateness p99",
@@ -286,6 +327,10 @@ def _print(con: Any, result: dict[str, Any]) -> None:
     h = result["health_check_floor"]
     t.add_row("grpc health Check back to back (floor): p50 / p99",
               f"{h['latency_us']['p50']:.0f} / {h['latency_us']['p99']:.0f} µs")
+    if "unary_paced_grpc" in result:
+        g = result["unary_paced_grpc"]["latency_us"]
+        t.add_row("  same over gRPC (the lane off): p50 / p90 / p99 / max",
+                  f"{g['p50']:.0f} / {g['p90']:.0f} / {g['p99']:.0f} / {g['max']:.0f} µs")
     c = result["unary_closed_loop"]
     t.add_row("unary back to back (one caller)", f"{c['chunks_per_s']:.0f} chunks/s (p50 {c['latency_us']['p50']:.0f} µs)")
     for b in result["batched"]:
@@ -328,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     con = Console() if sys.stdout.isatty() else Console(width=150)
     t_start = time.monotonic()
     n_unary = int(s.rate * s.unary_seconds)
-    total = (n_unary + s.closed_loop_calls + s.batched_chunks * len(s.batch_sizes) + s.stream_chunks) * 2
+    total = (2 * n_unary + s.closed_loop_calls + s.batched_chunks * len(s.batch_sizes) + s.stream_chunks) * 2
     bench = RpcBench(s, keep_logs=args.keep_logs)
     con.print(f"[bold]kvxferd bench rpc[/]{' (quick)' if s.quick else ''} — {STUB_NOTE}")
     result: dict[str, Any] = {}
@@ -352,6 +397,10 @@ def main(argv: list[str] | None = None) -> int:
 
             chunks = prepared(n_unary, f"unary EnqueueChunk at {s.rate:.0f}/s")
             result["unary_paced"] = bench.unary_paced(chunks, tick)
+            if bench.tx.stub.lane is not None:
+                prog.update(task, description=f"unary EnqueueChunk at {s.rate:.0f}/s over gRPC")
+                chunks = prepared(n_unary, f"unary EnqueueChunk at {s.rate:.0f}/s over gRPC")
+                result["unary_paced_grpc"] = bench.unary_paced(chunks, tick, via="grpc")
             bench.release(chunks)
             prog.update(task, description="health Check back to back (the unary floor)")
             result["health_check_floor"] = bench.health_floor(s.closed_loop_calls)

@@ -39,6 +39,7 @@ from kvxfer_client._common import (
     watermark_request,
     wrap_rpc_error,
 )
+from kvxfer_client._lane import AioLane, RoutedStub
 from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from kvxfer_client._pinned import check_can_pin, gpu_ring_for
 
@@ -49,7 +50,7 @@ class _AsyncEngineClient:
     def __init__(self, *, socket: str | None = None, call_timeout: float = 10.0, tls: Tls | None = None) -> None:
         self.layout: Layout | None = None
         self._channel = aio_channel(socket, tls)
-        self.stub = engine_pb2_grpc.EngineStub(self._channel)
+        self.stub = RoutedStub(engine_pb2_grpc.EngineStub(self._channel))
         self._timeout = call_timeout
         self.reg: Registration | None = None
         self.pool: PoolMapping | None = None
@@ -83,8 +84,12 @@ class _AsyncEngineClient:
         while still_pending(req, reply, deadline):
             reply = await self._call(self.stub.RegisterEngine, req)
         self.reg = registration(reply)
+        if self.reg.lane_socket:
+            self.stub.lane = AioLane(self.reg.lane_socket)
         if map_pool and cuda_ring is None:
-            self.pool = PoolMapping(self.reg, pin=pin)
+            # Off the loop: receiving the pool may wait on the daemon (an in-process daemon serves
+            # it on this very loop), and pinning a large mapping takes a while.
+            self.pool = await asyncio.get_running_loop().run_in_executor(None, PoolMapping, self.reg, pin)
         self._renewer = asyncio.ensure_future(self._renew())
         return self
 
@@ -98,9 +103,9 @@ class _AsyncEngineClient:
         assert self.reg is not None
         return self.reg.peer_address
 
-    async def _call(self, fn: Any, req: Any) -> Any:
+    async def _call(self, fn: Any, req: Any, timeout: float | None = None) -> Any:
         try:
-            return await fn(req, timeout=self._timeout)
+            return await fn(req, timeout=timeout or self._timeout)
         except grpc.aio.AioRpcError as exc:
             raise wrap_rpc_error(exc) from None
 
@@ -111,7 +116,7 @@ class _AsyncEngineClient:
             await asyncio.sleep(period)
             try:
                 await self.stub.KeepAlive(engine_pb2.KeepAliveRequest(engine_id=self.engine_id), timeout=period)
-            except grpc.aio.AioRpcError:
+            except (grpc.aio.AioRpcError, KvxferError):
                 continue
 
     def view(self, offset: int, length: int) -> memoryview:
@@ -171,11 +176,13 @@ class _AsyncEngineClient:
             try:
                 await self.stub.UnregisterEngine(
                     engine_pb2.UnregisterEngineRequest(engine_id=self.engine_id), timeout=2)
-            except grpc.aio.AioRpcError:
+            except (grpc.aio.AioRpcError, KvxferError):
                 pass
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+        if isinstance(self.stub.lane, AioLane):
+            await self.stub.lane.close()
         await self._channel.close()
 
     async def __aenter__(self) -> Any:
@@ -206,11 +213,11 @@ class AsyncPrefillSender(_AsyncEngineClient):
         while True:
             req = acquire_request(self.engine_id, num_tokens, deadline, self._timeout)
             try:
-                reply = await self.stub.AcquireSlot(req, timeout=req.wait_ms / 1000 + self._timeout)
+                reply = await self._call(self.stub.AcquireSlot, req, timeout=req.wait_ms / 1000 + self._timeout)
                 return Slot(reply.slot.offset, reply.slot.length, reply.chunk_bytes)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() >= deadline:
-                    raise wrap_rpc_error(exc) from None
+            except KvxferError as exc:
+                if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() >= deadline:
+                    raise
 
     async def release_slot(self, slot: Slot) -> None:
         await self._call(self.stub.ReleaseSlot, engine_pb2.ReleaseSlotRequest(

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import enum
+import json
 import mmap
 import os
+import socket
 import stat
 import threading
 import time
@@ -254,6 +256,8 @@ class Registration:
     daemon_id: str
     peer_address: str
     extra: dict[str, Any] = field(default_factory=dict)
+    pool_socket: str = ""
+    lane_socket: str = ""
 
 
 def register_request(
@@ -292,7 +296,8 @@ def registration(reply: engine_pb2.RegisterEngineReply) -> Registration:
     return Registration(
         engine_id=reply.engine_id, pool_path=reply.pool_path, pool_bytes=reply.pool_bytes,
         ring_offset=reply.ring_offset, ring_bytes=reply.ring_bytes, lease_ms=reply.lease_ms,
-        daemon_id=reply.daemon_id, peer_address=reply.peer_address,
+        daemon_id=reply.daemon_id, peer_address=reply.peer_address, pool_socket=reply.pool_socket,
+        lane_socket=reply.lane_socket,
     )
 
 
@@ -408,17 +413,49 @@ def bytes_tensor(ring_tensor: Any, pool: PoolMapping | None, offset: int, length
     return torch.frombuffer(pool.view(offset, length), dtype=torch.uint8)
 
 
+POOL_PROTOCOL = "kvxferd-pool/1"
+
+
+def receive_pool(reg: Registration, timeout_s: float = 10.0) -> int:
+    """The daemon's pool file, received over its pool socket (a pool with no path: see the proto)."""
+    instance = reg.engine_id.rpartition("@")[2]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(reg.pool_socket)
+            msg, fds, _flags, _addr = socket.recv_fds(sock, 4096, 1)
+        except OSError as exc:
+            raise KvxferError(grpc.StatusCode.UNAVAILABLE,
+                              f"cannot receive the host pool from {reg.pool_socket}: {exc}") from exc
+    try:
+        header = json.loads(msg)
+    except ValueError:
+        header = {}
+    if not fds or header.get("protocol") != POOL_PROTOCOL or header.get("instance") != instance \
+            or header.get("bytes") != reg.pool_bytes:
+        for fd in fds:
+            os.close(fd)
+        raise KvxferError(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"{reg.pool_socket} did not hand out this daemon's pool (got {header!r}, want instance "
+                          f"{instance!r} of {reg.pool_bytes} B)")
+    for extra in fds[1:]:
+        os.close(extra)
+    os.set_inheritable(fds[0], False)
+    return fds[0]
+
+
 class PoolMapping:
     """The daemon's host pool mapped into this process; the engine's ring is a window of it."""
 
     def __init__(self, reg: Registration, pin: bool = False) -> None:
-        fd = os.open(reg.pool_path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = receive_pool(reg) if reg.pool_socket else os.open(reg.pool_path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             st = os.fstat(fd)
             # Not a file the daemon made (replaced, truncated): refuse now, not SIGBUS on first touch.
             if not stat.S_ISREG(st.st_mode) or st.st_size < reg.pool_bytes:
                 raise KvxferError(grpc.StatusCode.FAILED_PRECONDITION,
-                                  f"host pool {reg.pool_path} is not the daemon's {reg.pool_bytes} B pool file")
+                                  f"host pool {reg.pool_path or reg.pool_socket} is not the daemon's "
+                                  f"{reg.pool_bytes} B pool file")
             self._mm = mmap.mmap(fd, reg.pool_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)

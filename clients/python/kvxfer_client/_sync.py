@@ -39,6 +39,7 @@ from kvxfer_client._common import (
     watermark_request,
     wrap_rpc_error,
 )
+from kvxfer_client._lane import RoutedStub, SyncLane
 from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from kvxfer_client._pinned import check_can_pin, gpu_ring_for
 
@@ -55,7 +56,7 @@ class _EngineClient:
         zero_copy: bool = False, kv_device: str = "", pin_host: bool = False, tls: Tls | None = None,
     ) -> None:
         self._channel = sync_channel(socket, tls)
-        self.stub = engine_pb2_grpc.EngineStub(self._channel)
+        self.stub = RoutedStub(engine_pb2_grpc.EngineStub(self._channel))
         self._timeout = call_timeout
         # kv_device="cuda:N": the daemon says which staging is fast there, a GPU ring or a pinned host ring.
         pin = pin_host
@@ -79,6 +80,8 @@ class _EngineClient:
             reply = self._call(self.stub.RegisterEngine, req)
         self.reg: Registration = registration(reply)
         self.engine_id = self.reg.engine_id
+        if self.reg.lane_socket:
+            self.stub.lane = SyncLane(self.reg.lane_socket)
         self.pool = PoolMapping(self.reg, pin=pin) if (map_pool and cuda_ring is None) else None
         self._closed = threading.Event()
         # Renew at a third of the lease so one lost renewal is not fatal.
@@ -98,7 +101,7 @@ class _EngineClient:
         while not self._closed.wait(period):
             try:
                 self.stub.KeepAlive(engine_pb2.KeepAliveRequest(engine_id=self.engine_id), timeout=period)
-            except grpc.RpcError:
+            except (grpc.RpcError, KvxferError):
                 continue
 
     @property
@@ -168,10 +171,12 @@ class _EngineClient:
         if unregister:
             try:
                 self.stub.UnregisterEngine(engine_pb2.UnregisterEngineRequest(engine_id=self.engine_id), timeout=2)
-            except grpc.RpcError:
+            except (grpc.RpcError, KvxferError):
                 pass
         if self.pool is not None:
             self.pool.close()
+        if self.stub.lane is not None:
+            self.stub.lane.close()
         self._channel.close()
 
     def __enter__(self) -> _EngineClient:
@@ -203,11 +208,11 @@ class PrefillSender(_EngineClient):
         while True:
             req = acquire_request(self.engine_id, num_tokens, deadline, self._timeout)
             try:
-                reply = self.stub.AcquireSlot(req, timeout=req.wait_ms / 1000 + self._timeout)
+                reply = self._call(self.stub.AcquireSlot, req, timeout=req.wait_ms / 1000 + self._timeout)
                 return Slot(reply.slot.offset, reply.slot.length, reply.chunk_bytes)
-            except grpc.RpcError as exc:
-                if exc.code() != _RETRYABLE_FULL or time.monotonic() >= deadline:
-                    raise wrap_rpc_error(exc) from None
+            except KvxferError as exc:
+                if exc.code != _RETRYABLE_FULL or time.monotonic() >= deadline:
+                    raise
 
     def release_slot(self, slot: Slot) -> None:
         self._call(self.stub.ReleaseSlot, engine_pb2.ReleaseSlotRequest(

@@ -56,7 +56,7 @@ class RegisterEngineRequest(_message.Message):
     def __init__(self, role: _Optional[_Union[Role, str]] = ..., group: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., parallel: _Optional[_Union[_common_pb2.Parallelism, _Mapping]] = ..., ring_bytes: _Optional[int] = ..., cuda_ring: _Optional[_Union[CudaIpcRing, _Mapping]] = ..., lease_ms: _Optional[int] = ..., name: _Optional[str] = ..., zero_copy: _Optional[bool] = ..., accept_pending: _Optional[bool] = ..., registration_id: _Optional[str] = ...) -> None: ...
 
 class RegisterEngineReply(_message.Message):
-    __slots__ = ("engine_id", "pool_path", "pool_bytes", "ring_offset", "ring_bytes", "lease_ms", "daemon_id", "peer_address", "pending", "registration_id")
+    __slots__ = ("engine_id", "pool_path", "pool_bytes", "ring_offset", "ring_bytes", "lease_ms", "daemon_id", "peer_address", "pending", "registration_id", "pool_socket", "lane_socket")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_PATH_FIELD_NUMBER: _ClassVar[int]
     POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,8 @@ class RegisterEngineReply(_message.Message):
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
     REGISTRATION_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    LANE_SOCKET_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     pool_path: str
     pool_bytes: int
@@ -77,7 +79,9 @@ class RegisterEngineReply(_message.Message):
     peer_address: str
     pending: bool
     registration_id: str
-    def __init__(self, engine_id: _Optional[str] = ..., pool_path: _Optional[str] = ..., pool_bytes: _Optional[int] = ..., ring_offset: _Optional[int] = ..., ring_bytes: _Optional[int] = ..., lease_ms: _Optional[int] = ..., daemon_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., pending: _Optional[bool] = ..., registration_id: _Optional[str] = ...) -> None: ...
+    pool_socket: str
+    lane_socket: str
+    def __init__(self, engine_id: _Optional[str] = ..., pool_path: _Optional[str] = ..., pool_bytes: _Optional[int] = ..., ring_offset: _Optional[int] = ..., ring_bytes: _Optional[int] = ..., lease_ms: _Optional[int] = ..., daemon_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., pending: _Optional[bool] = ..., registration_id: _Optional[str] = ..., pool_socket: _Optional[str] = ..., lane_socket: _Optional[str] = ...) -> None: ...
 
 class UnregisterEngineRequest(_message.Message):
     __slots__ = ("engine_id",)
@@ -360,7 +364,7 @@ class CapUsage(_message.Message):
     def __init__(self, name: _Optional[str] = ..., used: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class DaemonStatus(_message.Message):
-    __slots__ = ("daemon_id", "version", "serving", "engines", "peers", "rooms_by_state", "slots_held", "pool_bytes", "uptime_s", "peer_address", "gpu_data_path", "caps", "peer_caps", "peer_auth")
+    __slots__ = ("daemon_id", "version", "serving", "engines", "peers", "rooms_by_state", "slots_held", "pool_bytes", "pool_backing", "pool_huge_bytes", "uptime_s", "peer_address", "gpu_data_path", "caps", "peer_caps", "peer_auth")
     class RoomsByStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -376,6 +380,8 @@ class DaemonStatus(_message.Message):
     ROOMS_BY_STATE_FIELD_NUMBER: _ClassVar[int]
     SLOTS_HELD_FIELD_NUMBER: _ClassVar[int]
     POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    POOL_BACKING_FIELD_NUMBER: _ClassVar[int]
+    POOL_HUGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     GPU_DATA_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -390,10 +396,12 @@ class DaemonStatus(_message.Message):
     rooms_by_state: _containers.ScalarMap[str, int]
     slots_held: int
     pool_bytes: int
+    pool_backing: str
+    pool_huge_bytes: int
     uptime_s: float
     peer_address: str
     gpu_data_path: str
     caps: _containers.RepeatedCompositeFieldContainer[CapUsage]
     peer_caps: _containers.RepeatedCompositeFieldContainer[CapUsage]
     peer_auth: str
-    def __init__(self, daemon_id: _Optional[str] = ..., version: _Optional[str] = ..., serving: _Optional[bool] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., rooms_by_state: _Optional[_Mapping[str, int]] = ..., slots_held: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., uptime_s: _Optional[float] = ..., peer_address: _Optional[str] = ..., gpu_data_path: _Optional[str] = ..., caps: _Optional[_Iterable[_Union[CapUsage, _Mapping]]] = ..., peer_caps: _Optional[_Iterable[_Union[CapUsage, _Mapping]]] = ..., peer_auth: _Optional[str] = ...) -> None: ...
+    def __init__(self, daemon_id: _Optional[str] = ..., version: _Optional[str] = ..., serving: _Optional[bool] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., rooms_by_state: _Optional[_Mapping[str, int]] = ..., slots_held: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., pool_backing: _Optional[str] = ..., pool_huge_bytes: _Optional[int] = ..., uptime_s: _Optional[float] = ..., peer_address: _Optional[str] = ..., gpu_data_path: _Optional[str] = ..., caps: _Optional[_Iterable[_Union[CapUsage, _Mapping]]] = ..., peer_caps: _Optional[_Iterable[_Union[CapUsage, _Mapping]]] = ..., peer_auth: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,151 @@
+"""The engine lane (kvxferd/lane.py) and the fd-passed huge-page pool (kvxferd/hugepool.py,
+kvxferd/pool_socket.py), against real daemons: same answers as gRPC, nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from kvxfer_client import DecodeReceiver, KvxferError, Layout, PrefillSender
+from kvxfer_client._lane import REPLY, REQUEST
+from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from kvxferd.hugepool import Unavailable, private_huge_file
+
+LAYOUT = Layout(num_layers=2, total_kv_heads=2, head_dim=16, dtype_bytes=2, page_size=16)
+
+
+def _private_huge_possible() -> bool:
+    try:
+        os.close(private_huge_file(2 << 20))
+    except Unavailable:
+        return False
+    return True
+
+
+def _raw_call(path: str, name: str, body: bytes, call_id: int = 7, name_len: int | None = None) -> tuple[int, int, bytes]:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(10)
+        s.connect(path)
+        nb = name.encode()
+        s.sendall(REQUEST.pack(len(nb) + len(body), call_id, 5000, len(nb) if name_len is None else name_len) + nb + body)
+        buf = b""
+        while len(buf) < REPLY.size:
+            buf += s.recv(65536)
+        length, got, code = REPLY.unpack_from(buf)
+        while len(buf) < REPLY.size + length:
+            buf += s.recv(65536)
+        return got, code, buf[REPLY.size:]
+
+
+def test_the_lane_answers_as_grpc_does(daemons: Any) -> None:
+    d = daemons("lane")
+    with PrefillSender(socket=d.socket, group="g", layout=LAYOUT, ring_bytes=1 << 20) as tx:
+        assert tx.reg.lane_socket == d.socket + ".lane" and tx.stub.lane is not None
+        slot = tx.acquire(8)
+        # The same bad calls, through the lane (the client's default) and through gRPC.
+        bad = [
+            engine_pb2.EnqueueChunkRequest(engine_id=tx.engine_id, room=common_pb2.RoomKey(id=1), chunk_id=0,
+                                           token_start=0, num_tokens=8,
+                                           slot=common_pb2.Slot(offset=slot.offset + 256, length=slot.length)),
+            engine_pb2.EnqueueChunkRequest(engine_id="nobody@x", room=common_pb2.RoomKey(id=1), num_tokens=8),
+        ]
+        with grpc.insecure_channel(f"unix:{d.socket}") as ch:
+            stub = engine_pb2_grpc.EngineStub(ch)
+            for req in bad:
+                with pytest.raises(KvxferError) as via_lane:
+                    tx._call(tx.stub.EnqueueChunk, req)
+                with pytest.raises(grpc.RpcError) as via_grpc:
+                    stub.EnqueueChunk(req, timeout=5)
+                assert via_lane.value.code == via_grpc.value.code() != grpc.StatusCode.OK
+                assert via_lane.value.message == via_grpc.value.details()
+        # A refused call changed nothing: the slot is still ours and a good enqueue goes through.
+        tx.enqueue(1, 0, 0, 8, slot, last=True)
+        assert tx.poll(1).state.name == "BOOTSTRAPPING"
+
+        path = tx.reg.lane_socket
+        got, code, msg = _raw_call(path, "WatchRooms", b"")
+        assert (got, code) == (7, grpc.StatusCode.UNIMPLEMENTED.value[0]) and b"not served on the lane" in msg
+        got, code, msg = _raw_call(path, "PollRoom", b"\xff\xff\xff")
+        assert code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and b"does not parse" in msg
+        # A frame over max_message_bytes ends that connection only.
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(10)
+            s.connect(path)
+            s.sendall(REQUEST.pack(1 << 30, 1, 0, 4) + b"Poll")
+            assert s.recv(100) == b""
+        assert tx.poll(1).state.name == "BOOTSTRAPPING"
+
+
+def test_engines_use_grpc_when_the_lane_is_off(daemons: Any) -> None:
+    d = daemons("nolane", "--set", "engine_lane=false")
+    with PrefillSender(socket=d.socket, group="g", layout=LAYOUT, ring_bytes=1 << 20) as tx:
+        assert tx.reg.lane_socket == "" and tx.stub.lane is None
+        assert not Path(d.socket + ".lane").exists()
+        tx.enqueue(1, 0, 0, 8, tx.acquire(8), last=True)
+        assert tx.poll(1).state.name == "BOOTSTRAPPING"
+
+
+@pytest.mark.skipif(not _private_huge_possible(), reason="this kernel or container refuses a private tmpfs mount")
+def test_the_pool_is_handed_out_by_fd_on_huge_pages_and_leaves_nothing(daemons: Any, tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    d = daemons("hp", "--set", f"shm_dir={shm}", pool="16MiB")
+    with PrefillSender(socket=d.socket, group="g", layout=LAYOUT, ring_bytes=1 << 20) as tx:
+        st = tx.status()
+        assert st.pool_backing == "private-huge-tmpfs"
+        assert st.pool_huge_bytes == st.pool_bytes == 16 << 20  # prefaulted, all on 2 MiB pages
+        assert tx.reg.pool_path == "" and tx.reg.pool_socket == d.socket + ".pool"
+        assert os.listdir(shm) == []  # named nowhere
+        # What the engine writes into its slot is what the daemon's mapping holds: one file.
+        slot = tx.acquire(8)
+        pattern = np.random.default_rng(1).integers(0, 255, slot.chunk_bytes, dtype=np.uint8)
+        tx.view(slot.offset, slot.chunk_bytes)[:] = pattern.tobytes()
+        with DecodeReceiver(socket=d.socket, group="h", layout=LAYOUT, ring_bytes=1 << 20) as rx:
+            rx.expect(5, d.peer_address, "g", 8)
+            tx.enqueue(5, 0, 0, 8, slot, last=True)
+            got, _ = rx.receive(5, timeout=30)
+            assert got[0] == pattern.tobytes()
+        # The pool socket checks nothing the engine must not know: its header names the pool.
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(tx.reg.pool_socket)
+            msg, fds, _, _ = socket.recv_fds(s, 4096, 1)
+        try:
+            header = json.loads(msg)
+            assert header == {"protocol": "kvxferd-pool/1", "instance": tx.engine_id.split("@")[1],
+                              "bytes": 16 << 20}
+            assert os.fstat(fds[0]).st_size == 16 << 20
+        finally:
+            for fd in fds:
+                os.close(fd)
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(30) == 0
+    for suffix in ("", ".pool", ".lane", ".lock"):
+        assert not Path(d.socket + suffix).exists(), suffix
+    assert os.listdir(shm) == []
+
+
+def test_pool_backing_shm_dir_keeps_a_named_file(daemons: Any, tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    d = daemons("named", "--set", f"shm_dir={shm}", "--set", "pool_backing=shm_dir", pool="8MiB")
+    with PrefillSender(socket=d.socket, group="g", layout=LAYOUT, ring_bytes=1 << 20) as tx:
+        assert tx.status().pool_backing == "tmpfs" and tx.reg.pool_socket == ""
+        assert Path(tx.reg.pool_path).parent == shm and not Path(d.socket + ".pool").exists()
+        tx.view(0, 4)[:] = b"kvx!"
+        with open(tx.reg.pool_path, "rb") as fh:
+            fh.seek(tx.reg.ring_offset)
+            assert fh.read(4) == b"kvx!"
+
+
+def test_a_bad_pool_backing_is_refused(daemons: Any) -> None:
+    d = daemons("badbacking", "--set", "pool_backing=ramdisk", wait=False)
+    assert d.proc.wait(30) == 2
+    assert "pool_backing must be one of auto, private, shm_dir" in d.log_text()
