@@ -129,6 +129,9 @@ def _ucx_devices(config: Config) -> Iterator[None]:
 
 
 LOCK_SUFFIX = ".lock"
+# Files next to the engine socket that its lock owns: a dead daemon's are removed at start,
+# ours at close.
+SOCKET_SIDECARS = (FAULT_CONTROL_SUFFIX, POOL_SUFFIX, LANE_SUFFIX)
 
 
 def _claim_socket(path: str) -> OwnerLock:
@@ -146,9 +149,9 @@ def _claim_socket(path: str) -> OwnerLock:
         raise StartupError(f"cannot claim the socket {path}: {exc.strerror or exc}") from exc
     try:
         _remove_stale_socket(path)
-        for leftover in (path + FAULT_CONTROL_SUFFIX, path + POOL_SUFFIX, path + LANE_SUFFIX):
+        for suffix in SOCKET_SIDECARS:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(leftover)
+                os.unlink(path + suffix)
     except BaseException:
         lock.release()
         raise
@@ -409,7 +412,7 @@ async def _close(d: _Daemon) -> None:
             logger.warning("closing the transport failed: %s", exc)
     d.pool.close()
     # Nothing is left behind: the socket, the fault file, and last the lock that owned them.
-    for leftover in (d.config.socket, *(d.config.socket + sfx for sfx in (FAULT_CONTROL_SUFFIX, POOL_SUFFIX, LANE_SUFFIX))):
+    for leftover in (d.config.socket, *(d.config.socket + suffix for suffix in SOCKET_SIDECARS)):
         with contextlib.suppress(OSError):
             os.unlink(leftover)
     d.socket_lock.release()

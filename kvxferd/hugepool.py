@@ -128,10 +128,9 @@ def mount_of(directory: str) -> tuple[str, str, str]:
     return best
 
 
-def huge_mount_page_size(directory: str) -> int:
-    """The huge page size of the mount holding `directory` (hugetlbfs, or a tmpfs mounted with
-    huge=always/within_size/advise), or 0 when its files get base pages."""
-    _, fstype, opts = mount_of(directory)
+def huge_mount_page_size(fstype: str, opts: str) -> int:
+    """The huge page size of a mount (a mount_of() file system type and options): hugetlbfs, or
+    a tmpfs mounted with huge=always/within_size/advise; 0 when its files get base pages."""
     options = dict(o.partition("=")[::2] for o in opts.split(","))
     if fstype == "hugetlbfs":
         return parse_page_size(options.get("pagesize", "2M"))

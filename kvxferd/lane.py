@@ -18,15 +18,15 @@ error message in UTF-8. A connection may have many calls outstanding; replies ca
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 import struct
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import grpc
+
+from kvxferd.owned import bind_unix_socket
 
 logger = logging.getLogger(__name__)
 
@@ -69,29 +69,16 @@ class LaneServer:
         self._conns: set[_LaneConnection] = set()
 
     async def start(self, mode: int, gid: int = -1) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)  # a dead daemon's: the socket lock says it is ours to replace
-        old_umask = os.umask(0o177)  # nobody else may connect before the chmod below
-        try:
-            self._server = await asyncio.get_running_loop().create_unix_server(
-                lambda: _LaneConnection(self), self.path)
-        finally:
-            os.umask(old_umask)
-        os.chmod(self.path, mode)
-        if gid >= 0:
-            os.chown(self.path, -1, gid)
-
-    def stop_accepting(self) -> None:
-        """Drain: no new connection; calls on open ones are refused by the servicer as on gRPC."""
-        if self._server is not None:
-            self._server.close()
+        self._server = await asyncio.get_running_loop().create_unix_server(
+            lambda: _LaneConnection(self), sock=bind_unix_socket(self.path, mode, gid))
 
     async def close(self) -> None:
-        self.stop_accepting()
+        """Closes the listener and every connection; the daemon removes the socket file with
+        the others next to its socket."""
+        if self._server is not None:
+            self._server.close()
         for conn in list(self._conns):
             conn.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
 
 
 class _LaneConnection(asyncio.Protocol):

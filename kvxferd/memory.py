@@ -149,7 +149,8 @@ class HostPool:
         self.tag = tag
         self.path = ""
         self.backing = ""
-        shm_huge = huge_mount_page_size(shm_dir)
+        _, shm_fs, shm_opts = mount_of(shm_dir)
+        shm_huge = huge_mount_page_size(shm_fs, shm_opts)
         fd = -1
         if backing == "private" or (backing == "auto" and not shm_huge):
             try:
@@ -163,7 +164,7 @@ class HostPool:
                                "Fix: let the daemon unshare a mount namespace, or put shm_dir on "
                                "hugetlbfs or a tmpfs mounted with huge=within_size", exc.strerror or exc, shm_dir)
         if fd < 0:
-            fd = self._create_named(shm_dir, size, mode, shm_huge)
+            fd = self._create_named(shm_dir, size, mode, shm_fs, shm_huge)
         self._fd = fd
         try:
             self.size = os.fstat(fd).st_size
@@ -181,9 +182,9 @@ class HostPool:
         self.regions = RingAllocator(self.size, REGION_ALIGN)
         self._closed = False
 
-    def _create_named(self, shm_dir: str, size: int, mode: int, huge: int) -> int:
+    def _create_named(self, shm_dir: str, size: int, mode: int, fstype: str, huge: int) -> int:
         self.page_size = huge
-        self.backing = "hugetlbfs" if mount_of(shm_dir)[1] == "hugetlbfs" else ("tmpfs-huge" if huge else "tmpfs")
+        self.backing = "hugetlbfs" if fstype == "hugetlbfs" else ("tmpfs-huge" if huge else "tmpfs")
         warning = check_dir(shm_dir, "shm_dir")
         if warning:
             logger.warning("%s", warning)

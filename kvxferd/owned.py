@@ -17,6 +17,7 @@ import errno
 import fcntl
 import logging
 import os
+import socket
 import stat
 
 logger = logging.getLogger(__name__)
@@ -159,3 +160,28 @@ def remove_unowned(path: str) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def bind_unix_socket(path: str, mode: int, gid: int = -1) -> socket.socket:
+    """A listening, non-blocking Unix socket at `path` with `mode` (and group `gid`). It is
+    created private (umask) so that no other user can connect in the moment before the chmod.
+    The caller has cleared `path` (a dead daemon's socket) under the socket lock."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o177)
+    try:
+        sock.bind(path)
+    except OSError:
+        sock.close()
+        raise
+    finally:
+        os.umask(old_umask)
+    try:
+        os.chmod(path, mode)
+        if gid >= 0:
+            os.chown(path, -1, gid)
+        sock.listen(128)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock

@@ -9,11 +9,11 @@ group). Each connection gets one message and is closed: the loop never waits on 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import os
 import socket
+
+from kvxferd.owned import bind_unix_socket
 
 logger = logging.getLogger(__name__)
 
@@ -27,25 +27,9 @@ class PoolSocket:
         self._header = json.dumps({"protocol": PROTOCOL, "instance": instance, "bytes": pool_bytes}).encode()
         self._sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.handed_out = 0
 
     def start(self, loop: asyncio.AbstractEventLoop, mode: int, gid: int = -1) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)  # a dead daemon's; the socket lock says it is ours to replace
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old_umask = os.umask(0o177)  # nobody else may connect before the chmod below
-        try:
-            sock.bind(self.path)
-        except OSError:
-            sock.close()
-            raise
-        finally:
-            os.umask(old_umask)
-        os.chmod(self.path, mode)
-        if gid >= 0:
-            os.chown(self.path, -1, gid)
-        sock.listen(128)
-        sock.setblocking(False)
+        sock = bind_unix_socket(self.path, mode, gid)
         self._sock, self._loop = sock, loop
         loop.add_reader(sock.fileno(), self._accept)
 
@@ -64,7 +48,6 @@ class PoolSocket:
                 try:
                     # One small message into a fresh connection's empty buffer: never blocks.
                     socket.send_fds(conn, [self._header], [self._fd])
-                    self.handed_out += 1
                 except OSError as exc:
                     logger.info("pool socket: a client left before taking the pool: %s", exc)
 
@@ -74,6 +57,4 @@ class PoolSocket:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self._sock.fileno())
         self._sock.close()
-        self._sock = None
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        self._sock = None  # the daemon removes the socket file with the others next to its socket

@@ -201,15 +201,20 @@ class RpcBench:
         deadline = time.perf_counter() + 5
         while not all(done) and time.perf_counter() < deadline:
             time.sleep(0.01)  # callbacks run on gRPC's thread, just after result() returns
-        cpu = meter.stop()
+        return self._paced_result("grpc", due_at, sent, done, bad[0], send_wall, meter.stop())
+
+    def _paced_result(self, via: str, due_at: list[float], sent: list[float], done: list[float], bad: int,
+                      send_wall: float, cpu: dict[str, float]) -> dict[str, Any]:
+        """A paced phase's figures; done[i] == 0 means call i never answered (an error)."""
+        n = len(sent)
         lat = [d - s for s, d in zip(sent, done, strict=True) if d]
         late = [max(0.0, s - due) for s, due in zip(sent, due_at, strict=True)]
         corrected = [d - due for d, due in zip(done, due_at, strict=True) if d]
         return {
-            "offered_rate": self.s.rate, "calls": n, "achieved_send_rate": n / send_wall,
-            "completed": len(lat), "errors": bad[0] + (n - len(lat)),
+            "via": via, "offered_rate": self.s.rate, "calls": n, "achieved_send_rate": n / max(send_wall, 1e-9),
+            "completed": len(lat), "errors": bad + (n - len(lat)),
             "latency_us": latency_summary(lat, 1e6), "send_lateness_us": latency_summary(late, 1e6),
-            "latency_from_schedule_us": latency_summary(corrected, 1e6), "cpu_s": cpu, "via": "grpc",
+            "latency_from_schedule_us": latency_summary(corrected, 1e6), "cpu_s": cpu,
         }
 
     def _unary_paced_lane(self, chunks: list[Any], tick: Callable[[int], None]) -> dict[str, Any]:
@@ -217,7 +222,10 @@ class RpcBench:
 
         stub, eid = self.tx.stub, self.tx.engine_id
         period = 1.0 / self.s.rate
-        sent, done, due_at, bad = [], [], [], 0
+        sent: list[float] = []
+        done: list[float] = []
+        due_at: list[float] = []
+        bad = 0
         meter = self.meter()
         meter.start()
         t0 = time.perf_counter() + 0.01
@@ -238,15 +246,7 @@ class RpcBench:
             if i % 200 == 199:
                 tick(200)
         send_wall = sent[-1] - t0 if sent else 1.0
-        cpu = meter.stop()
-        return {
-            "via": "lane", "offered_rate": self.s.rate, "calls": len(chunks),
-            "achieved_send_rate": len(chunks) / max(send_wall, 1e-9), "completed": len(done), "errors": bad,
-            "latency_us": latency_summary([d - s for s, d in zip(sent, done, strict=True)], 1e6),
-            "send_lateness_us": latency_summary([max(0.0, s - u) for s, u in zip(sent, due_at, strict=True)], 1e6),
-            "latency_from_schedule_us": latency_summary([d - u for d, u in zip(done, due_at, strict=True)], 1e6),
-            "cpu_s": cpu,
-        }
+        return self._paced_result("lane", due_at, sent, done, bad, send_wall, meter.stop())
 
     def unary_closed(self, chunks: list[Any]) -> dict[str, Any]:
         meter = self.meter()

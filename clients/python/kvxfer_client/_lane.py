@@ -48,10 +48,6 @@ def _result(name: str, code: int, payload: bytes) -> Any:
     return _REPLY_CLASSES[name].FromString(payload)
 
 
-def _lane_error(code: grpc.StatusCode, message: str) -> KvxferError:
-    return KvxferError(code, message)
-
-
 class SyncLane:
     """One connection per calling thread (a waiting AcquireSlot holds only its own thread)."""
 
@@ -68,13 +64,13 @@ class SyncLane:
         if sock is not None and self._local.pid == os.getpid():
             return sock
         if self._closed:
-            raise _lane_error(grpc.StatusCode.CANCELLED, "the client is closed")
+            raise KvxferError(grpc.StatusCode.CANCELLED, "the client is closed")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.connect(self.path)
         except OSError as exc:
             sock.close()
-            raise _lane_error(grpc.StatusCode.UNAVAILABLE, f"cannot reach the daemon's lane {self.path}: {exc}") from None
+            raise KvxferError(grpc.StatusCode.UNAVAILABLE, f"cannot reach the daemon's lane {self.path}: {exc}") from None
         self._local.sock, self._local.pid = sock, os.getpid()
         with self._lock:
             self._open.add(sock)
@@ -104,10 +100,10 @@ class SyncLane:
                 del buf[: REPLY.size + length]  # cannot happen (one call at a time); never misread
         except TimeoutError:
             self._drop(sock)  # its reply may still come: this connection is out of step now
-            raise _lane_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"{name}: no reply within {timeout} s") from None
+            raise KvxferError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{name}: no reply within {timeout} s") from None
         except OSError as exc:
             self._drop(sock)
-            raise _lane_error(grpc.StatusCode.UNAVAILABLE, f"{name}: the daemon's lane closed: {exc}") from None
+            raise KvxferError(grpc.StatusCode.UNAVAILABLE, f"{name}: the daemon's lane closed: {exc}") from None
         return _result(name, code, bytes(buf[REPLY.size : REPLY.size + length]))
 
     @staticmethod
@@ -145,7 +141,7 @@ class AioLane:
                 try:
                     reader, writer = await asyncio.open_unix_connection(self.path)
                 except OSError as exc:
-                    raise _lane_error(grpc.StatusCode.UNAVAILABLE,
+                    raise KvxferError(grpc.StatusCode.UNAVAILABLE,
                                       f"cannot reach the daemon's lane {self.path}: {exc}") from None
                 self._writer = writer
                 self._reader_task = asyncio.ensure_future(self._read(reader))
@@ -167,7 +163,7 @@ class AioLane:
             self._writer = None
             for fut in self._pending.values():
                 if not fut.done():
-                    fut.set_exception(_lane_error(grpc.StatusCode.UNAVAILABLE, why))
+                    fut.set_exception(KvxferError(grpc.StatusCode.UNAVAILABLE, why))
 
     async def call(self, name: str, req: Any, timeout: float | None = None) -> Any:
         writer = await self._connected()
@@ -179,7 +175,7 @@ class AioLane:
             try:
                 code, payload = await asyncio.wait_for(fut, timeout)
             except asyncio.TimeoutError:
-                raise _lane_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"{name}: no reply within {timeout} s") from None
+                raise KvxferError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{name}: no reply within {timeout} s") from None
         finally:
             self._pending.pop(call_id, None)
         return _result(name, code, payload)
