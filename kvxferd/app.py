@@ -38,7 +38,7 @@ from kvxferd.lane import LANE_SUFFIX, LaneServer
 from kvxferd.memory import POOL_SUFFIX, HostPool
 from kvxferd.metrics import Metrics, start_metrics_server
 from kvxferd.node import Node
-from kvxferd.owned import Busy, OwnerLock, check_dir
+from kvxferd.owned import Busy, OwnerLock, check_dir, listen_failure_hint
 from kvxferd.peer_link import grpc_options
 from kvxferd.peer_servicer import PEER_UNARY, PeerServicer
 from kvxferd.peers import PeerManager
@@ -191,9 +191,9 @@ def _bind(server: grpc.aio.Server, address: str, creds: grpc.ServerCredentials |
     try:
         port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
     except RuntimeError as exc:
-        raise StartupError(f"cannot listen on {address} for the {what} (address in use or not local?)") from exc
+        raise StartupError(f"cannot listen on {address} for the {what} ({listen_failure_hint(address)})") from exc
     if port == 0 and not address.startswith("unix:"):
-        raise StartupError(f"cannot listen on {address} for the {what} (address in use or not local?)")
+        raise StartupError(f"cannot listen on {address} for the {what} ({listen_failure_hint(address)})")
     return port
 
 

@@ -185,3 +185,23 @@ def bind_unix_socket(path: str, mode: int, gid: int = -1) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def listen_failure_hint(address: str) -> str:
+    """Why binding a TCP address may have failed, for the start-up error.
+
+    A fixed port inside the kernel's ephemeral range is free only until an outgoing connection
+    takes it as its source port, which happens at random while a restarted daemon is down.
+    """
+    port_text = address.rsplit(":", 1)[-1]
+    try:
+        port = int(port_text)
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            low, high = (int(v) for v in fh.read().split())
+    except (ValueError, OSError):
+        return "address in use or not local?"
+    if low <= port <= high:
+        return (f"address in use or not local? port {port} is inside the ephemeral range {low}-{high}"
+                " (net.ipv4.ip_local_port_range), where outgoing connections may hold it: pick a port"
+                " below it or reserve it in net.ipv4.ip_local_reserved_ports")
+    return "address in use or not local?"

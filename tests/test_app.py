@@ -125,6 +125,8 @@ def test_port_in_use_exits_nonzero(daemons: Any) -> None:
     assert b.proc.wait(60) == 2
     lines = [ln for ln in b.log_text().splitlines() if ln.startswith("kvxferd: error")]
     assert lines and "cannot listen on" in lines[0]
+    # The kernel chose a's port, so it lies in the ephemeral range: the error says why that is fragile.
+    assert "inside the ephemeral range" in lines[0] and "ip_local_reserved_ports" in lines[0], lines[0]
 
 
 def test_sigterm_drains_and_exits_zero(daemons: Any) -> None:

@@ -15,7 +15,9 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import random
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -79,14 +81,28 @@ def launch_pair(workdir: Path, started: list[DaemonProc], *extra: str, **kw: Any
     return pre, dec
 
 
-def pin_address(d: DaemonProc) -> None:
-    """A restart of `d` binds the peer address it has now (as under systemd), not a fresh port."""
-    i = d.args.index("--peer-listen")
-    d.args[i + 1] = d.peer_address
+def pinned_listen(host: str = "127.0.0.1") -> str:
+    """A free peer address to restart on, with its port below the kernel's ephemeral range.
+
+    A port the kernel handed out (`:0`) lies inside that range: once its daemon dies, any
+    outgoing connection on the host -- the peer's own reconnects to it included -- can take it
+    as a source port, and the restart fails with "address in use" (seen once in CI).
+    """
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 8000), low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        return f"{host}:{port}"
+    raise AssertionError(f"no free port below {low} on {host}")
 
 
 def restart(d: DaemonProc, env: dict[str, str] | None = None) -> None:
-    """Starts the same command line again (same socket and daemon id; see pin_address)."""
+    """Starts the same command line again: same socket, daemon id and --peer-listen (see pinned_listen)."""
     assert d.proc.poll() is not None, "restart a daemon only after it died"
     d.ready_file.unlink(missing_ok=True)
     d.proc = _popen(d.args, d.log, env)

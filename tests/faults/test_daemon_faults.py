@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import DaemonProc
+from tests.conftest import DaemonProc, wait_ready
 from tests.faults.harness import (
     HEARTBEAT_S,
     TOKEN_BYTES,
@@ -28,7 +28,7 @@ from tests.faults.harness import (
     make_netpair,
     netns_unavailable,
     peer_state,
-    pin_address,
+    pinned_listen,
     plans,
     record_timing,
     restart,
@@ -92,8 +92,11 @@ def workdir(daemons: Any) -> Path:
 
 
 def test_kill9_decode_daemon_mid_transfer_then_restart(daemons: Any, fleet: Fleet) -> None:
-    pre, dec = launch_pair(daemons.workdir, daemons.started)
-    pin_address(dec)
+    pre = launch(daemons.workdir, "prefill", wait=False)
+    dec = launch(daemons.workdir, "decode", peer_listen=pinned_listen(), wait=False)  # restarts on it
+    daemons.started += [pre, dec]
+    wait_ready(pre)
+    wait_ready(dec)
     p, d = pair_jobs(pre, dec, "a", plans(1000, 12, [16] * 10), chunk_delay_s=0.1, p_in_flight=3, d_in_flight=6)
     fleet.start(d)
     fleet.start(p)
