@@ -108,7 +108,8 @@ def make_transport(config: Config, name: str, injector: FaultInjector | None = N
     if injector is None and config.fault_injection:
         injector = FaultInjector()
     with _ucx_devices(config):
-        return NixlTransport(name, progress_thread=config.nixl_progress_thread, fault_injector=injector)
+        return NixlTransport(name, progress_thread=config.nixl_progress_thread, fault_injector=injector,
+                             num_workers=config.transfer_workers)
 
 
 @contextlib.contextmanager
@@ -239,7 +240,7 @@ async def _start(d: _Daemon, ready: Callable[[Ready], None] | None) -> None:
         raise StartupError(f"cannot start the NIXL agent: {exc}") from exc
     ident = Identity(config.daemon_id, instance + uuid.uuid4().hex[:8])
     d.node = node = Node(config, pool, metrics, ident)
-    d.workers = workers = WorkerPool(transport, loop, config.workers,
+    d.workers = workers = WorkerPool(transport, loop, config.transfer_workers,
                                      post_delay=delays.take if config.fault_injection else None)
     d.peers = peers = PeerManager(ident, config, transport, workers, metrics, node, node.spawn)
     node.attach(workers, peers.window, peers.connect, peers.all)

@@ -110,7 +110,9 @@ class Config:
     engine_lane: bool = True
     # Make the whole pool resident at start (kvxferd.memory.HostPool.prefault).
     prefault_pool: bool = True
-    workers: int = 2
+    # Transfer threads, each with its own UCX worker (kvxferd.workers); over CMA each copies at
+    # about one core's speed. 0: a quarter of the CPUs this process may use, 2 to 8.
+    workers: int = 0
     # A reader ring is granted to a prefill daemon in windows of ring_size / credit_split bytes
     # (more windows on demand): 1 gives one peer the whole ring at once, larger values share a
     # decode engine's ring more evenly among many prefill daemons.
@@ -192,8 +194,8 @@ class Config:
             raise ConfigError(f"metrics_port must be -1 (off), 0 (ephemeral) or a port, got {self.metrics_port}")
         if self.host_pool_bytes < (1 << 20):
             raise ConfigError(f"host_pool_bytes must be at least 1 MiB, got {self.host_pool_bytes}")
-        if not 1 <= self.workers <= 256:
-            raise ConfigError(f"workers must be 1..256, got {self.workers}")
+        if not 0 <= self.workers <= 256:
+            raise ConfigError(f"workers must be 0 (auto) or 1..256, got {self.workers}")
         if not 1 <= self.credit_split <= 1024:
             raise ConfigError(f"credit_split must be 1..1024, got {self.credit_split}")
         # Upper bounds too: the same ranges callers get (deadline_ms, lease_ms), and no timer that
@@ -257,6 +259,13 @@ class Config:
             raise ConfigError(f"max_peer_batch_msgs must be {PEER_BATCH_MSGS}..1048576, got {self.max_peer_batch_msgs}")
 
     @property
+    def transfer_workers(self) -> int:
+        """`workers`, with 0 resolved for this machine."""
+        if self.workers:
+            return self.workers
+        return min(8, max(2, usable_cpus() // 4))
+
+    @property
     def peer_auth_mode(self) -> str:
         """How peers prove who they are: one of PEER_AUTH_MODES."""
         if self.tls_client_auth:
@@ -306,6 +315,20 @@ _CAP_RANGES = (
     ("max_watch_backlog", 16, 1 << 24),
     ("max_tombstones", 16, 1 << 22),
 )
+
+
+def usable_cpus(cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """CPUs this process may run on: its affinity, capped by a cgroup v2 CPU quota (a container's
+    CPU limit) when one is set, since affinity alone shows every CPU of the node."""
+    cpus = len(os.sched_getaffinity(0))
+    try:
+        with open(os.path.join(cgroup_root, "cpu.max")) as fh:
+            quota, period = fh.read().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return cpus
 
 
 def _valid_hostport(value: str) -> bool:

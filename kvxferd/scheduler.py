@@ -3,15 +3,14 @@
 A chunk waits for exactly two things, each as a callback, never as a parked coroutine: its
 room's bootstrap (every reader known), and a destination range per reader carved from the
 credits the decode daemon granted (`CreditWindow.take`). A reader ring with no free credit
-makes only the chunks bound for it wait; other rooms go on. Work is sharded by destination peer
-over the workers so one slow peer only occupies its own worker.
+makes only the chunks bound for it wait; other rooms go on. The worker pool spreads the WRITEs
+over its threads (see kvxferd.workers).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import zlib
 from collections.abc import Callable
 
 from kvxferd.credits import CreditWindow, HeldRange
@@ -219,13 +218,11 @@ class Scheduler:
         self._submit(room, chunk, jobs)
 
     def _submit(self, room: SendRoom, chunk: OutChunk, jobs: list[TransferJob]) -> None:
-        assert room.peer is not None
-        shard = zlib.crc32(room.peer.daemon_id.encode())
         chunk.parts_pending = len(jobs)
         chunk.in_flight = len(jobs)
         room.in_flight += len(jobs)
         for job in jobs:
-            self._workers.submit(job, shard)
+            self._workers.submit(job)
         self._q_workers.set(self._workers.in_flight)
 
     def _on_done(self, job: TransferJob, state: XferState, error: str) -> None:

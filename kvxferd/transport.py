@@ -244,7 +244,7 @@ class NixlTransport:
     """One NIXL agent (UCX backend) for the whole daemon; safe to use from several threads."""
 
     def __init__(self, name: str, progress_thread: bool = False,
-                 fault_injector: FaultInjector | None = None) -> None:
+                 fault_injector: FaultInjector | None = None, num_workers: int = 1) -> None:
         apply_ucx_env_defaults()
         try:
             api = nixl_api()
@@ -256,18 +256,26 @@ class NixlTransport:
         self._faults = fault_injector
         try:
             self._agent = nixl_agent(name, nixl_agent_config(
-                enable_prog_thread=progress_thread, backends=["UCX"],
+                enable_prog_thread=progress_thread, backends=[],
                 sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
             ))
         except Exception as exc:
             raise TransportError(f"cannot create NIXL agent {name!r}: {exc}") from exc
-        if "UCX" not in self._agent.backends:
+        if "UCX" not in self._agent.plugin_list:
             raise TransportError("NIXL has no UCX backend here (plugin missing); cannot move data")
+        try:
+            # One UCX worker per posting thread: NIXL binds each thread that prepares a transfer
+            # to the next worker in turn, so threads that post (kvxferd.workers) copy in parallel
+            # instead of queueing on one worker's lock.
+            self._agent.create_backend("UCX", {"num_workers": str(num_workers)})
+        except Exception as exc:
+            raise TransportError(f"cannot create the UCX backend of NIXL agent {name!r}: {exc}") from exc
         self._ctl = threading.Lock()
         self._regions: dict[int, tuple[Any, int, str, int]] = {}  # addr -> (reg dlist, length, mem, device)
         self._remotes: dict[str, bytes] = {}  # name -> metadata as loaded
         self._closed = False
-        logger.info("NIXL agent %s ready (UCX, progress thread %s)", name, "on" if progress_thread else "off")
+        logger.info("NIXL agent %s ready (UCX, %d worker%s, progress thread %s)", name, num_workers,
+                    "" if num_workers == 1 else "s", "on" if progress_thread else "off")
 
     # -- control path (serialised by self._ctl) -------------------------------------------
 

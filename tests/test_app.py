@@ -112,11 +112,11 @@ def test_version() -> None:
 
 def test_bad_config_exits_nonzero_with_one_line(short_tmp: Path) -> None:
     cfg = short_tmp / "bad.toml"
-    cfg.write_text('workers = 0\n')
+    cfg.write_text('workers = 300\n')
     out = subprocess.run([sys.executable, "-m", "kvxferd", "serve", "--config", str(cfg)],
                          capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 2
-    assert out.stderr.strip().splitlines() == ["kvxferd: error: bad configuration: workers must be 1..256, got 0"]
+    assert out.stderr.strip().splitlines() == ["kvxferd: error: bad configuration: workers must be 0 (auto) or 1..256, got 300"]
 
 
 def test_port_in_use_exits_nonzero(daemons: Any) -> None:

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from kvxferd.config import ConfigError, load_config, parse_size
+from kvxferd.config import ConfigError, load_config, parse_size, usable_cpus
 from kvxferd.owned import check_dir
 from tests.test_security import as_user
 
@@ -22,7 +22,7 @@ def test_precedence_file_env_flags(short_tmp: Path) -> None:
     f = short_tmp / "k.toml"
     f.write_text(f'socket = "{short_tmp}/a.sock"\nworkers = 3\nhost_pool_bytes = "128MiB"\nmetrics_port = 9000\n')
     cfg = load_config(f, env={"KVXFERD_WORKERS": "5"}, overrides={"metrics_port": 9100})
-    assert cfg.workers == 5
+    assert cfg.workers == 5 and cfg.transfer_workers == 5
     assert cfg.metrics_port == 9100
     assert cfg.host_pool_bytes == 128 << 20
 
@@ -31,7 +31,7 @@ def test_precedence_file_env_flags(short_tmp: Path) -> None:
     "content,needle",
     [
         ("bogus = 1\n", "unknown key 'bogus'"),
-        ("workers = 0\n", "workers must be 1..256"),
+        ("workers = -1\n", "workers must be 0 (auto) or 1..256"),
         ('peer_listen = "nohost"\n', "peer_listen must be HOST:PORT"),
         ('log_format = "xml"\n', "log_format"),
         ("workers = 'many'\n", "workers: invalid value"),
@@ -99,3 +99,21 @@ def test_a_socket_directory_of_another_user_or_open_to_all_is_refused(short_tmp:
     os.chown(open_dir, 0, 0)
     assert "not sticky" in check_dir(str(open_dir), "socket directory")
     load_config(None, env={}, overrides={"socket": str(open_dir / "d.sock")})
+
+
+def test_workers_auto_follows_the_cpus_this_process_may_use(short_tmp: Path) -> None:
+    cfg = load_config(None, env={}, overrides={"socket": str(short_tmp / "a.sock")})
+    assert cfg.workers == 0
+    assert cfg.transfer_workers == min(8, max(2, usable_cpus() // 4))
+    assert 2 <= cfg.transfer_workers <= 8
+
+
+def test_usable_cpus_honours_a_cgroup_quota(tmp_path: Path) -> None:
+    affinity = len(os.sched_getaffinity(0))
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert usable_cpus(str(tmp_path)) == affinity
+    (tmp_path / "cpu.max").write_text("150000 100000\n")  # 1.5 CPUs: rounds up
+    assert usable_cpus(str(tmp_path)) == min(affinity, 2)
+    (tmp_path / "cpu.max").write_text("1000 100000\n")
+    assert usable_cpus(str(tmp_path)) == 1
+    assert usable_cpus(str(tmp_path / "nowhere")) == affinity

@@ -260,7 +260,8 @@ def test_restarted_peer_is_replaced_and_removal_is_idempotent(
 @pytest.fixture(scope="module")
 def local_pair() -> Iterator[tuple[NixlTransport, NixlTransport, np.ndarray, np.ndarray]]:
     injector = FaultInjector()
-    a = NixlTransport("kvx-test-a", fault_injector=injector)
+    # Four UCX workers on the posting side, as a daemon with four transfer threads has.
+    a = NixlTransport("kvx-test-a", fault_injector=injector, num_workers=4)
     b = NixlTransport("kvx-test-b")
     sbuf, dbuf = _pattern(3, 8 * MiB), np.zeros(8 * MiB, dtype=np.uint8)
     a.register_region(sbuf.ctypes.data, sbuf.nbytes)
@@ -310,8 +311,10 @@ def test_fault_injector_makes_check_return_error(
 def test_threads_post_and_poll_at_once(
     local_pair: tuple[NixlTransport, NixlTransport, np.ndarray, np.ndarray]
 ) -> None:
-    """Several workers on one agent, plus control-path calls: the default NIXL sync mode segfaults here."""
+    """Several threads posting on one agent with one UCX worker each, plus control-path calls: the
+    default NIXL sync mode segfaults here."""
     a, b, sbuf, dbuf = local_pair
+    assert a._agent.get_backend_params("UCX")["num_workers"] == "4"
     dbuf[:] = 0
     b.get_notifs()
     threads, posts, size = 4, 30, 64 << 10  # 7.5 MiB of the 8 MiB buffers

@@ -1,0 +1,82 @@
+"""WorkerPool: where jobs go, and that results come back on the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+
+import pytest
+
+from kvxferd.transport import XferState
+from kvxferd.workers import TransferJob, WorkerPool
+
+
+class GatedTransport:
+    """Posts block until the test opens their gate; records which thread posted what."""
+
+    def __init__(self) -> None:
+        self.gates: dict[bytes, threading.Event] = {}
+        self.posted_by: dict[bytes, str] = {}
+        self.entered = threading.Semaphore(0)
+
+    def post_write(self, remote: str, pairs: Sequence[tuple[int, int, int]], notif: bytes, **_: object) -> bytes:
+        self.posted_by[notif] = threading.current_thread().name
+        self.entered.release()
+        assert self.gates[notif].wait(10), f"gate of {notif!r} never opened"
+        return notif
+
+    def check(self, handle: object) -> XferState:
+        return XferState.DONE
+
+    def release(self, handle: object) -> None:
+        pass
+
+    def get_notifs(self) -> list[tuple[str, bytes]]:
+        return []
+
+
+@pytest.mark.asyncio
+async def test_jobs_of_one_peer_go_to_idle_threads_and_run_at_once() -> None:
+    loop = asyncio.get_running_loop()
+    tr = GatedTransport()
+    pool = WorkerPool(tr, loop, 3)  # type: ignore[arg-type]
+    pool.start()
+    done: dict[bytes, XferState] = {}
+    all_done = asyncio.Event()
+    names = [b"a", b"b", b"c", b"d"]
+
+    def on_done(job: TransferJob, state: XferState, error: str) -> None:
+        assert threading.current_thread() is threading.main_thread()  # back on the loop
+        done[job.notif] = state
+        if len(done) == len(names):
+            all_done.set()
+
+    try:
+        for n in names:
+            tr.gates[n] = threading.Event()
+        # Three jobs to the same peer: each goes to a thread with nothing to do, so all three
+        # are inside their post at once (a per-peer shard would have queued b and c behind a).
+        for n in names[:3]:
+            pool.submit(TransferJob("peer-1", [(1, 2, 3)], n, on_done))
+        for _ in range(3):
+            assert await loop.run_in_executor(None, tr.entered.acquire, True, 10)
+        assert sorted(tr.posted_by.values()) == ["kvx-worker-0", "kvx-worker-1", "kvx-worker-2"]
+        # The fourth goes to the first thread to finish: open b's gate only.
+        tr.gates[b"b"].set()
+        while b"b" not in done:
+            await asyncio.sleep(0.005)
+        pool.submit(TransferJob("peer-1", [(1, 2, 3)], b"d", on_done))
+        tr.gates[b"d"].set()
+        while b"d" not in done:
+            await asyncio.sleep(0.005)
+        assert tr.posted_by[b"d"] == tr.posted_by[b"b"]
+        tr.gates[b"a"].set()
+        tr.gates[b"c"].set()
+        await asyncio.wait_for(all_done.wait(), 10)
+        assert done == dict.fromkeys(names, XferState.DONE)
+        assert pool.in_flight == 0
+    finally:
+        for g in tr.gates.values():
+            g.set()
+        pool.stop()
