@@ -41,7 +41,7 @@ class Metrics:
             registry=r,
         )
         self.chunk_transfer = Histogram(
-            "kvxferd_chunk_transfer_seconds", "One chunk part from post to DONE", ["path"],
+            "kvxferd_chunk_transfer_seconds", "One WRITE (a chunk's parts for one daemon) from post to DONE", ["path"],
             buckets=_TRANSFER_BUCKETS, registry=r,
         )
         self.queue_depth = Gauge("kvxferd_queue_depth", "Work waiting per queue", ["queue"], registry=r)

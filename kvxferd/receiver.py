@@ -30,7 +30,7 @@ from kvxferd.layout import part_bytes, plan
 from kvxferd.limits import MAX_ADDRESS, MAX_GROUP, ROOMS_PER_ENGINE, check_len
 from kvxferd.memory import Watermark
 from kvxferd.metrics import Metrics
-from kvxferd.notif import NO_CREDIT, Notif, decode_notif
+from kvxferd.notif import NO_CREDIT, Notif, decode_notifs
 from kvxferd.ports import BootstrapAnswer, BootstrapMsg, Link
 from kvxferd.registry import NoRegistry, Registry
 from kvxferd.rooms import InSlot, ReaderState, RecvRoom, RoomBase
@@ -259,11 +259,12 @@ class RecvSide:
 
     def on_notifs(self, notifs: Iterable[tuple[str, bytes]]) -> None:
         for agent, msg in notifs:
-            n = decode_notif(msg)
-            if n is None:
+            parts = decode_notifs(msg)
+            if parts is None:
                 logger.warning("dropping malformed notification from %s: %r", agent, msg[:64])
                 continue
-            self.landed(n)
+            for n in parts:
+                self.landed(n)
 
     def local_notif(self, msg: bytes) -> None:
         self.on_notifs([("", msg)])

@@ -17,7 +17,7 @@ from kvxferd.credits import CreditWindow, HeldRange
 from kvxferd.domain import FailureCode
 from kvxferd.layout import HeadSlice, bytes_per_head, part_bytes
 from kvxferd.metrics import Metrics
-from kvxferd.notif import encode_notif
+from kvxferd.notif import encode_notif, join_notifs
 from kvxferd.ports import Link
 from kvxferd.rooms import Dest, OutChunk, SendRoom
 from kvxferd.transport import XferState
@@ -43,6 +43,7 @@ class Scheduler:
         self._q_waiting = metrics.queue_depth.labels(queue="waiting_slot")
         self._q_workers = metrics.queue_depth.labels(queue="workers")
         self._bytes: dict[tuple[str, str], object] = {}
+        self._write_seconds = {p: metrics.chunk_transfer.labels(path=p) for p in ("local", "nixl")}
 
     # ------------------------------------------------------------------ admission
 
@@ -154,7 +155,9 @@ class Scheduler:
         src_len = ring.alloc.slot_length(spec.slot.offset) or 0
         peer = room.peer
         window = self._window(peer)
-        jobs = []
+        # The parts of this chunk for readers on one daemon (TP 1->4: four) go as one WRITE with
+        # one notification naming them all: a job, a post and a completion per chunk, not per part.
+        groups: dict[tuple[str, int], list[tuple[HeadSlice, HeldRange]]] = {}
         for s in slices:
             r = room.dest[(spec.chunk_id, s.reader)].range
             assert r is not None
@@ -164,17 +167,21 @@ class Scheduler:
                 self._fail(room, FailureCode.MISMATCH, f"chunk {spec.chunk_id} does not fit its slots")
                 self._chunk_done(room, chunk)
                 return
-            h = r.held
+            groups.setdefault((r.held.spec.mem, r.held.spec.device), []).append((s, r))
+        jobs = []
+        for (mem, device), parts in groups.items():
+            ranges = [r for _, r in parts]
             jobs.append(TransferJob(
                 remote="" if peer.is_self else peer.agent_name,
-                pairs=[(src_base + s.src_head * bph, r.address + s.dst_head * bph, length)],
-                notif=encode_notif(room.key, spec, s.writer, s.reader, h.spec.id, r.offset),
-                on_done=self._on_done, local_mem=ring.mem, remote_mem=h.spec.mem,
-                local_device=ring.device, remote_device=h.spec.device, tag=(room, chunk, r), nbytes=length,
-                credit=h,
+                pairs=[(src_base + s.src_head * bph, r.address + s.dst_head * bph, s.num_heads * bph) for s, r in parts],
+                notif=join_notifs([encode_notif(room.key, spec, s.writer, s.reader, r.held.spec.id, r.offset)
+                                   for s, r in parts]),
+                on_done=self._on_done, local_mem=ring.mem, remote_mem=mem, local_device=ring.device,
+                remote_device=device, tag=(room, chunk, ranges), nbytes=sum(s.num_heads * bph for s, _ in parts),
+                credits=[r.held for r in ranges],
             ))
-        for job in jobs:
-            window.write_started(job.tag[2])
+            for r in ranges:
+                window.write_started(r)
         self._submit(room, chunk, jobs)
 
     def _dispatch_pages(self, room: SendRoom, chunk: OutChunk, slices: list[HeadSlice]) -> None:
@@ -213,7 +220,7 @@ class Scheduler:
                 remote="" if room.peer.is_self else room.peer.agent_name, pairs=pairs,
                 notif=encode_notif(room.key, spec, s.writer, s.reader), on_done=self._on_done,
                 local_mem=eng.ring.mem, remote_mem=target.mem, local_device=eng.ring.device,
-                remote_device=target.device, tag=(room, chunk, None), nbytes=sum(p[2] for p in pairs),
+                remote_device=target.device, tag=(room, chunk, []), nbytes=sum(p[2] for p in pairs),
             ))
         self._submit(room, chunk, jobs)
 
@@ -226,12 +233,12 @@ class Scheduler:
         self._q_workers.set(self._workers.in_flight)
 
     def _on_done(self, job: TransferJob, state: XferState, error: str) -> None:
-        room, chunk, r = job.tag
+        room, chunk, ranges = job.tag
         chunk.in_flight -= 1
         chunk.parts_pending -= 1
         room.in_flight -= 1
         peer = room.peer
-        if r is not None:
+        for r in ranges:
             self._window(peer).write_done(r)
         if state is XferState.DONE:
             path = "local" if peer.is_self else "nixl"
@@ -240,6 +247,7 @@ class Scheduler:
                 counter = self._bytes[(peer.daemon_id, path)] = self._metrics.transfer_bytes.labels(
                     peer=peer.daemon_id, path=path)
             counter.inc(job.nbytes)  # type: ignore[attr-defined]
+            self._write_seconds[path].observe(job.finished_at - job.posted_at)
             if peer.is_self:
                 self._local_notif(job.notif)
         else:

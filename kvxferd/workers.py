@@ -69,8 +69,8 @@ class TransferJob:
     remote_device: int = 0
     tag: Any = None
     nbytes: int = 0
-    # The credit written into (credits.Held): a WRITE is never posted once it is revoked.
-    credit: Any = None
+    # The credits written into (credits.Held): a WRITE is never posted once one is revoked.
+    credits: Sequence[Any] = ()
     posted_at: float = 0.0
     finished_at: float = 0.0
     _handle: Any = field(default=None, repr=False)
@@ -207,7 +207,7 @@ class WorkerPool:
                 logger.warning("fault injection: holding a WRITE to %s for %.2f s", job.remote or "self", delay)
                 time.sleep(delay)
         job.posted_at = time.monotonic()
-        if job.credit is not None and job.credit.revoked:
+        if any(c.revoked for c in job.credits):
             # The decode side revoked the credit (ring released, session lost) after this WRITE
             # was dispatched: its space may be about to be reused, so nothing is posted.
             logger.warning("WRITE to %s not posted: destination credit revoked before the WRITE was posted",

@@ -104,6 +104,12 @@ def test_mixed_tp_pairs(daemons: Any, ptp: int, dtp: int) -> None:
         assert all(s == "SUCCESS" for s in results[("decode", "mx-dec", r)]["states"].values())
     assert status(pre.socket).slots_held == 0
     assert status(dec.socket).slots_held == 0
+    # One WRITE per chunk and sending writer, however many readers its heads go to (TP 1->4: four
+    # parts, one WRITE): with 2 KV heads, min(ptp, 2) writers hold distinct heads, the rest are
+    # replicas that send nothing.
+    chunks = sum(len(p.chunks) for p in rooms)
+    writes = metric(pre, "kvxferd_chunk_transfer_seconds_count")
+    assert writes == chunks * min(ptp, LAYOUT.total_kv_heads), (writes, chunks)
 
 
 RPCS = "kvxferd_rpc_duration_seconds_count"  # one sample per (service, method, code)

@@ -1,0 +1,34 @@
+"""The notification that travels with a WRITE: one part or several, and malformed input."""
+
+from __future__ import annotations
+
+from kvxferd.domain import ChunkSpec, RoomKey, SlotRef
+from kvxferd.notif import MAX_PARTS, Notif, decode_notif, decode_notifs, encode_notif, join_notifs
+
+
+def _spec(chunk: int, start: int, n: int, last: bool = False) -> ChunkSpec:
+    return ChunkSpec(RoomKey(0, 0), chunk_id=chunk, token_start=start, num_tokens=n, slot=SlotRef(0, 0), last=last,
+                     aux=b"")
+
+
+def test_one_part_round_trips() -> None:
+    msg = encode_notif(RoomKey(7, 3), _spec(2, 32, 16, last=True), 1, 0, credit_id=9, offset=4096)
+    assert decode_notif(msg) == Notif(RoomKey(7, 3), 2, 1, 0, 32, 16, True, 9, 4096)
+    assert decode_notifs(msg) == [decode_notif(msg)]
+
+
+def test_parts_of_one_write_each_decode_in_order() -> None:
+    parts = [encode_notif(RoomKey(5, 1), _spec(0, 0, 64), 0, r, credit_id=10 + r, offset=r * 100) for r in range(4)]
+    got = decode_notifs(join_notifs(parts))
+    assert got is not None and [n.reader for n in got] == [0, 1, 2, 3]
+    assert [(n.credit_id, n.offset) for n in got] == [(10, 0), (11, 100), (12, 200), (13, 300)]
+    # The joined message is not one part: the single-part decoder refuses it.
+    assert decode_notif(join_notifs(parts)) is None
+
+
+def test_one_malformed_part_drops_the_whole_notification() -> None:
+    good = encode_notif(RoomKey(5, 1), _spec(0, 0, 64), 0, 0, credit_id=1)
+    for bad in (b"", b"kvx2 1 2 3", b"kvx9 1 1 1 1 1 1 1 1 1 1", good.replace(b" 64 ", b" -64 "), b"kvx2 a b c d e f g h i j"):
+        assert decode_notifs(join_notifs([good, bad])) is None, bad
+    assert decode_notifs(join_notifs([good] * (MAX_PARTS + 1))) is None
+    assert decode_notifs(join_notifs([good] * MAX_PARTS)) is not None
