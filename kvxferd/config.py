@@ -6,6 +6,7 @@ at start, and a bad value stops the daemon with one clear line.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import os
 import re
@@ -258,9 +259,10 @@ class Config:
         if not PEER_BATCH_MSGS <= self.max_peer_batch_msgs <= 1 << 20:
             raise ConfigError(f"max_peer_batch_msgs must be {PEER_BATCH_MSGS}..1048576, got {self.max_peer_batch_msgs}")
 
-    @property
+    @functools.cached_property
     def transfer_workers(self) -> int:
-        """`workers`, with 0 resolved for this machine."""
+        """`workers`, with 0 resolved for this machine, once: the NIXL agent's UCX workers and
+        the transfer threads must be the same number."""
         if self.workers:
             return self.workers
         return min(8, max(2, usable_cpus() // 4))

@@ -187,21 +187,27 @@ def bind_unix_socket(path: str, mode: int, gid: int = -1) -> socket.socket:
     return sock
 
 
+def ephemeral_port_range() -> tuple[int, int] | None:
+    """The kernel's range of source ports for outgoing connections (net.ipv4.ip_local_port_range)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            low, high = (int(v) for v in fh.read().split())
+    except (ValueError, OSError):
+        return None
+    return low, high
+
+
 def listen_failure_hint(address: str) -> str:
     """Why binding a TCP address may have failed, for the start-up error.
 
     A fixed port inside the kernel's ephemeral range is free only until an outgoing connection
     takes it as its source port, which happens at random while a restarted daemon is down.
     """
+    generic = "address in use or not local?"
     port_text = address.rsplit(":", 1)[-1]
-    try:
-        port = int(port_text)
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
-            low, high = (int(v) for v in fh.read().split())
-    except (ValueError, OSError):
-        return "address in use or not local?"
-    if low <= port <= high:
-        return (f"address in use or not local? port {port} is inside the ephemeral range {low}-{high}"
-                " (net.ipv4.ip_local_port_range), where outgoing connections may hold it: pick a port"
-                " below it or reserve it in net.ipv4.ip_local_reserved_ports")
-    return "address in use or not local?"
+    span = ephemeral_port_range()
+    if not port_text.isdigit() or span is None or not span[0] <= int(port_text) <= span[1]:
+        return generic
+    return (f"{generic} port {port_text} is inside the ephemeral range {span[0]}-{span[1]}"
+            " (net.ipv4.ip_local_port_range), where outgoing connections may hold it: pick a port"
+            " below it or reserve it in net.ipv4.ip_local_reserved_ports")

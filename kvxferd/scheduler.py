@@ -171,13 +171,13 @@ class Scheduler:
         jobs = []
         for (mem, device), parts in groups.items():
             ranges = [r for _, r in parts]
+            pairs = [(src_base + s.src_head * bph, r.address + s.dst_head * bph, s.num_heads * bph) for s, r in parts]
             jobs.append(TransferJob(
-                remote="" if peer.is_self else peer.agent_name,
-                pairs=[(src_base + s.src_head * bph, r.address + s.dst_head * bph, s.num_heads * bph) for s, r in parts],
+                remote="" if peer.is_self else peer.agent_name, pairs=pairs,
                 notif=join_notifs([encode_notif(room.key, spec, s.writer, s.reader, r.held.spec.id, r.offset)
                                    for s, r in parts]),
                 on_done=self._on_done, local_mem=ring.mem, remote_mem=mem, local_device=ring.device,
-                remote_device=device, tag=(room, chunk, ranges), nbytes=sum(s.num_heads * bph for s, _ in parts),
+                remote_device=device, tag=(room, chunk, ranges), nbytes=sum(p[2] for p in pairs),
                 credits=[r.held for r in ranges],
             ))
             for r in ranges:

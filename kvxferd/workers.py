@@ -57,7 +57,8 @@ def _name_os_thread() -> None:
 
 @dataclass(eq=False)
 class TransferJob:
-    """One NIXL WRITE: one (writer, reader, chunk) part, already resolved to addresses."""
+    """One NIXL WRITE, already resolved to addresses: a writer's parts of one chunk for the
+    readers on one daemon (kvxferd.scheduler), or one zero-copy part."""
 
     remote: str
     pairs: Sequence[tuple[int, int, int]]

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from kvxfer_client import KvxferError, Layout, PrefillSender
-from kvxferd.owned import Busy, OwnerLock, check_dir, listen_failure_hint, remove_unowned
+from kvxferd.owned import Busy, OwnerLock, check_dir, ephemeral_port_range, listen_failure_hint, remove_unowned
 from tests.conftest import DaemonProc
 
 LAYOUT = Layout(num_layers=2, total_kv_heads=2, head_dim=16, dtype_bytes=2, page_size=16)
@@ -179,7 +179,9 @@ def test_owner_lock_is_exclusive_and_released_without_trace(tmp_path: Path) -> N
 
 
 def test_listen_failure_hint_names_the_ephemeral_range_only_inside_it() -> None:
-    low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    span = ephemeral_port_range()
+    assert span is not None
+    low, high = span
     inside = listen_failure_hint(f"127.0.0.1:{low}")
     assert f"inside the ephemeral range {low}-{high}" in inside
     assert listen_failure_hint(f"127.0.0.1:{low - 1}") == "address in use or not local?"

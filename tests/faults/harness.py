@@ -33,6 +33,7 @@ import numpy as np
 
 from kvxfer_client import DecodeReceiver, KvxferError, Layout, PrefillSender, RoomState
 from kvxfer_client._pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc
+from kvxferd.owned import ephemeral_port_range
 from tests.conftest import ROOT, DaemonProc, daemon_env, wait_ready
 from tests.engine_procs import RoomPlan, part_bytes_for
 
@@ -88,7 +89,9 @@ def pinned_listen(host: str = "127.0.0.1") -> str:
     outgoing connection on the host -- the peer's own reconnects to it included -- can take it
     as a source port, and the restart fails with "address in use" (seen once in CI).
     """
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    span = ephemeral_port_range()
+    assert span is not None, "no net.ipv4.ip_local_port_range here"
+    low = span[0]
     rng = random.Random()
     for _ in range(200):
         port = rng.randrange(max(1024, low - 8000), low)
