@@ -123,7 +123,7 @@ def room_event_pb(ev: RoomEvent) -> engine_pb2.RoomEvent:
     out = engine_pb2.RoomEvent(
         room=room_key_pb(ev.room), state=common_pb2.RoomState.ValueType(ev.state),
         failure_code=common_pb2.FailureCode.ValueType(ev.failure_code),
-        failure_reason=ev.failure_reason, aux=ev.aux,
+        failure_reason=ev.failure_reason, aux=ev.aux, chunks_done=ev.chunks_done,
     )
     if ev.landed is not None:
         out.landed.CopyFrom(landed_pb(ev.landed))

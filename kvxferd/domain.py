@@ -124,6 +124,7 @@ class RoomEvent:
     failure_reason: str = ""
     landed: LandedChunk | None = None
     aux: bytes = b""
+    chunks_done: int = 0
 
 
 @dataclass(frozen=True)

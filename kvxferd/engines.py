@@ -56,6 +56,8 @@ class Engine:
     space: asyncio.Event = field(default_factory=asyncio.Event)
     # WatchRooms queues: events, None when the engine goes, an error when the reader fell behind.
     watchers: set[asyncio.Queue[RoomEvent | KvxferError | None]] = field(default_factory=set)
+    # Those of them that asked for an event per chunk written (WatchRoomsRequest.chunk_progress).
+    progress_watchers: set[asyncio.Queue[RoomEvent | KvxferError | None]] = field(default_factory=set)
     send_rooms: set[int] = field(default_factory=set)
     recv_rooms: set[int] = field(default_factory=set)
     closing: bool = False
@@ -139,7 +141,10 @@ class EngineTable:
                    for e in [*self.engines.values(), *self._closing] if e.role is Role.PREFILL)
 
     def ring_metrics(self, ring: Ring) -> None:
-        self.metrics.ring_used.labels(ring=ring.name).set(ring.alloc.used_bytes)
+        """Read at scrape time, not set per slot: two label lookups and gauge writes per chunk
+        were on the hot path for a figure nobody reads between scrapes."""
+        alloc = ring.alloc
+        self.metrics.ring_used.labels(ring=ring.name).set_function(lambda: alloc.used_bytes)
 
     def lease_s(self, eng: Engine) -> float:
         return eng.spec.lease_ms / 1000 if eng.spec.lease_ms else self.config.engine_lease_s
@@ -311,7 +316,6 @@ class EngineTable:
 
     def free_slot(self, eng: Engine, offset: int) -> None:
         eng.ring.alloc.free(offset)
-        self.ring_metrics(eng.ring)
         eng.space.set()
         if eng.closing:
             self.maybe_close_ring(eng)
@@ -336,7 +340,6 @@ class EngineTable:
                 f"ring full: {eng.ring.alloc.used_bytes}/{eng.ring.size} B held by {eng.ring.alloc.slots_held} slots"
             )
         eng.acquired.add(off)
-        self.ring_metrics(eng.ring)
         return SlotRef(off, eng.ring.alloc.slot_length(off) or nbytes), nbytes
 
     async def acquire_slot_wait(self, engine_id: str, num_tokens: int, wait_s: float) -> tuple[SlotRef, int]:

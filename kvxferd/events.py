@@ -70,27 +70,31 @@ class EventHub:
     def __init__(self, engines: EngineTable) -> None:
         self._engines = engines
 
-    def watch(self, engine_id: str) -> asyncio.Queue[RoomEvent | KvxferError | None]:
+    def watch(self, engine_id: str, chunk_progress: bool = False) -> asyncio.Queue[RoomEvent | KvxferError | None]:
         eng = self._engines.get(engine_id)
         self._engines.limits.check(WATCHERS_PER_ENGINE, len(eng.watchers), f" for engine {engine_id}")
         q: asyncio.Queue[RoomEvent | KvxferError | None] = asyncio.Queue()
         eng.watchers.add(q)
+        if chunk_progress:
+            eng.progress_watchers.add(q)
         return q
 
     def unwatch(self, engine_id: str, q: asyncio.Queue[RoomEvent | KvxferError | None]) -> None:
         eng = self._engines.engines.get(engine_id)
         if eng is not None:
             eng.watchers.discard(q)
+            eng.progress_watchers.discard(q)
 
-    def publish(self, eng: Engine, ev: RoomEvent) -> None:
+    def publish(self, eng: Engine, ev: RoomEvent, progress_only: bool = False) -> None:
         backlog = self._engines.limits.limit(WATCH_BACKLOG)
-        for q in list(eng.watchers):
+        for q in list(eng.progress_watchers if progress_only else eng.watchers):
             if q.qsize() < backlog:
                 q.put_nowait(ev)
                 continue
             # A watcher that stopped reading would otherwise grow its queue for ever: its stream ends
             # (RESOURCE_EXHAUSTED); the engine's other watchers and calls are untouched.
             eng.watchers.discard(q)
+            eng.progress_watchers.discard(q)
             q.put_nowait(CapExceeded(
                 f"{WATCH_BACKLOG.name} cap reached for engine {eng.id}: {backlog} events unread "
                 f"(config {WATCH_BACKLOG.key}); this stream is closed, open another and read it"))
@@ -101,11 +105,19 @@ class EventHub:
         """The longest queue of any watcher (the watch_backlog cap's figure)."""
         return max((q.qsize() for e in self._engines.engines.values() for q in e.watchers), default=0)
 
-    def send_state(self, room: SendRoom, writer: int | None = None) -> None:
-        ev = RoomEvent(room.key, room.state, room.failure_code, room.failure_reason)
-        for rank, w in room.writers.items():
-            if writer is None or rank == writer:
-                self.publish(w.engine, ev)
+    def send_state(self, room: SendRoom) -> None:
+        for w in room.writers.values():
+            self.publish(w.engine, RoomEvent(room.key, room.state, room.failure_code, room.failure_reason,
+                                             chunks_done=len(w.done)))
+
+    def chunk_written(self, room: SendRoom, writer: int) -> None:
+        """A writer's chunk is written. The first one is news to every watcher of that engine (a
+        writer that joined after the room went TRANSFERRING has not heard so); later ones only to
+        watchers that asked for progress: an event per chunk costs a stream write here and a
+        wake-up of the engine's watcher, for a state it already knows."""
+        w = room.writers[writer]
+        ev = RoomEvent(room.key, room.state, room.failure_code, room.failure_reason, chunks_done=len(w.done))
+        self.publish(w.engine, ev, progress_only=len(w.done) > 1)
 
     def recv_state(self, room: RecvRoom, aux: bytes = b"") -> None:
         ev = RoomEvent(room.key, room.state, room.failure_code, room.failure_reason, aux=aux)

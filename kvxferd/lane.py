@@ -13,6 +13,14 @@ Frames (little-endian). Request: payload length u32, call id u32, timeout ms u32
 method name length u8, then the method name and the serialized request. Reply: payload length
 u32, call id u32, status code u8 (gRPC's numbering), then the serialized reply (code 0) or the
 error message in UTF-8. A connection may have many calls outstanding; replies carry their id.
+
+Server streams (WatchRooms): each message is a reply frame with status STREAM_MORE; the stream
+ends with an ordinary reply frame (code 0 and no payload, or an error). A landed chunk costs the
+daemon one frame instead of a gRPC stream message, and the engine one read (measured on the
+2-core VM: the gRPC message was most of both sides' CPU per chunk after the calls themselves).
+
+Replies made in one turn of the event loop go out in one write: each write wakes the engine,
+and on a loaded node the writer pays for that wake-up inside the syscall.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import asyncio
 import logging
 import struct
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import grpc
@@ -33,9 +41,11 @@ logger = logging.getLogger(__name__)
 LANE_SUFFIX = ".lane"
 REQUEST = struct.Struct("<IIIB")
 REPLY = struct.Struct("<IIB")
+STREAM_MORE = 0xFF
 MAX_CALLS_PER_CONNECTION = 1024
 
 Handler = Callable[[Any, Any], Awaitable[Any]]
+StreamHandler = Callable[[Any, Any], AsyncIterator[Any]]
 
 
 class LaneAbort(grpc.aio.AbortError):
@@ -60,10 +70,13 @@ class LaneContext:
 
 
 class LaneServer:
-    def __init__(self, path: str, methods: Mapping[str, tuple[Handler, Any]], max_frame_bytes: int) -> None:
-        """methods: name -> (bound servicer method, request message class)."""
+    def __init__(self, path: str, methods: Mapping[str, tuple[Handler, Any]], max_frame_bytes: int,
+                 streams: Mapping[str, tuple[StreamHandler, Any]] | None = None) -> None:
+        """methods: name -> (bound servicer method, request message class); streams: the same for
+        server-streaming methods."""
         self.path = path
         self._methods = dict(methods)
+        self._streams = dict(streams or {})
         self._max_frame = max_frame_bytes
         self._server: asyncio.AbstractServer | None = None
         self._conns: set[_LaneConnection] = set()
@@ -87,6 +100,17 @@ class _LaneConnection(asyncio.Protocol):
         self._buf = bytearray()
         self._transport: asyncio.Transport | None = None
         self._calls: set[asyncio.Task[None]] = set()
+        self._out: list[bytes] = []
+        # Cleared while the engine reads slower than we write: streams stop taking events, so
+        # their queues (and the watch_backlog cap) bound what a slow reader costs us.
+        self._writable = asyncio.Event()
+        self._writable.set()
+
+    def pause_writing(self) -> None:
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        self._writable.set()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport
@@ -95,8 +119,9 @@ class _LaneConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._server._conns.discard(self)
         self._transport = None
+        self._writable.set()
         for task in self._calls:
-            task.cancel()  # e.g. an AcquireSlot waiting for space: its caller is gone
+            task.cancel()  # e.g. an AcquireSlot waiting for space, or a stream: its caller is gone
 
     def close(self) -> None:
         if self._transport is not None:
@@ -124,7 +149,10 @@ class _LaneConnection(asyncio.Protocol):
         del buf[:pos]
 
     def _dispatch(self, call_id: int, timeout_ms: int, name: str, body: bytes) -> None:
-        entry = self._server._methods.get(name)
+        entry: tuple[Any, Any] | None = self._server._methods.get(name)
+        streaming = entry is None and name in self._server._streams
+        if streaming:
+            entry = self._server._streams[name]
         if entry is None:
             self._reply(call_id, grpc.StatusCode.UNIMPLEMENTED, f"{name!r} is not served on the lane".encode())
             return
@@ -138,13 +166,16 @@ class _LaneConnection(asyncio.Protocol):
         except Exception:
             self._reply(call_id, grpc.StatusCode.INVALID_ARGUMENT, f"{name}: the request does not parse".encode())
             return
-        task = asyncio.ensure_future(self._serve(call_id, timeout_ms, name, handler, request))
+        ctx = LaneContext(timeout_ms)
+        work = self._stream(call_id, handler, request, ctx) if streaming else self._unary(handler, request, ctx)
+        task = asyncio.ensure_future(self._serve(call_id, name, work))
         self._calls.add(task)
         task.add_done_callback(self._calls.discard)
 
-    async def _serve(self, call_id: int, timeout_ms: int, name: str, handler: Handler, request: Any) -> None:
+    async def _serve(self, call_id: int, name: str, work: Awaitable[bytes]) -> None:
+        """Runs one call's body and sends its final frame: the reply, or the status it ended with."""
         try:
-            reply = await handler(request, LaneContext(timeout_ms))
+            payload = await work
         except LaneAbort as exc:
             self._reply(call_id, exc.code, exc.details.encode())
         except asyncio.CancelledError:
@@ -153,8 +184,29 @@ class _LaneConnection(asyncio.Protocol):
             logger.exception("lane: %s failed", name)
             self._reply(call_id, grpc.StatusCode.INTERNAL, f"internal error: {exc!r}".encode())
         else:
-            self._reply(call_id, grpc.StatusCode.OK, reply.SerializeToString())
+            self._reply(call_id, grpc.StatusCode.OK, payload)
+
+    @staticmethod
+    async def _unary(handler: Handler, request: Any, ctx: LaneContext) -> bytes:
+        return bytes((await handler(request, ctx)).SerializeToString())
+
+    async def _stream(self, call_id: int, handler: StreamHandler, request: Any, ctx: LaneContext) -> bytes:
+        async for msg in handler(request, ctx):
+            await self._writable.wait()
+            self._send(call_id, STREAM_MORE, msg.SerializeToString())
+        return b""
 
     def _reply(self, call_id: int, code: grpc.StatusCode, payload: bytes) -> None:
+        self._send(call_id, code.value[0], payload)
+
+    def _send(self, call_id: int, code: int, payload: bytes) -> None:
+        if self._transport is None or self._transport.is_closing():
+            return
+        if not self._out:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._out.append(REPLY.pack(len(payload), call_id, code) + payload)
+
+    def _flush(self) -> None:
+        out, self._out = self._out, []
         if self._transport is not None and not self._transport.is_closing():
-            self._transport.write(REPLY.pack(len(payload), call_id, code.value[0]) + payload)
+            self._transport.write(b"".join(out))

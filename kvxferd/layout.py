@@ -18,6 +18,7 @@ MLA has a single latent "head" replicated everywhere, which is the
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -95,6 +96,9 @@ def _validate_tp(total_kv_heads: int, tp_size: int, mla: bool) -> None:
         )
 
 
+# Pure functions of a few ints, asked per chunk on the hot path: cached. typed=True keeps True
+# apart from 1 (a bool is always refused), and a refusal is never cached.
+@functools.lru_cache(maxsize=4096, typed=True)
 def rank_heads(total_kv_heads: int, tp_size: int, rank: int, mla: bool = False) -> RankHeads:
     """Global KV heads held by ``rank`` of a ``tp_size`` group."""
     _validate_tp(total_kv_heads, tp_size, mla)
@@ -114,6 +118,7 @@ def _sender_of(head: int, total_kv_heads: int, tp_size: int) -> int:
     return -(-head * tp_size // total_kv_heads)
 
 
+@functools.lru_cache(maxsize=1024, typed=True)
 def plan(prefill_tp: int, decode_tp: int, total_kv_heads: int, mla: bool = False) -> tuple[HeadSlice, ...]:
     """Every (writer → reader) head range needed to fill every decode rank once.
 

@@ -239,8 +239,8 @@ class Node:
             self.recv.release(eng, room)
         self.refresh_metrics()
 
-    def watch(self, engine_id: str) -> asyncio.Queue[Any]:
-        return self.hub.watch(engine_id)
+    def watch(self, engine_id: str, chunk_progress: bool = False) -> asyncio.Queue[Any]:
+        return self.hub.watch(engine_id, chunk_progress)
 
     def open_stream(self) -> StreamTicket:
         """A server stream opens: counted (open_streams cap) until its ticket is closed."""

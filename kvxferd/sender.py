@@ -269,7 +269,7 @@ class SendSide:
         chunk.done = True
         w = room.writers[chunk.writer]
         w.done.add(chunk.spec.chunk_id)
-        self.hub.send_state(room, writer=chunk.writer)
+        self.hub.chunk_written(room, chunk.writer)
         if room.all_writers_finished() and not room.complete_sent:
             last_ids = {w.last_id for w in room.writers.values()}
             if len(last_ids) != 1:

@@ -139,9 +139,63 @@ def test_a_sender_makes_one_call_per_chunk_and_gives_the_spare_slot_back(daemons
         st = status(pre.socket)
         # The spare is the engine's: counted on the engine, not as a slot held for a transfer.
         assert st.slots_held == 0 and [e.slots_held for e in st.engines] == [1]
+        # The ring gauge is read at scrape time: it shows the spare slot, and nothing once it is back.
+        used = f'ring="{tx.engine_id}"'
+        assert metric(pre, "kvxferd_ring_used_bytes", used) == st.engines[0].ring_used_bytes > 0
         # A chunk of another size gives the spare back and acquires afresh.
         tx.release_slot(tx.acquire(tokens * 2))
         assert [e.slots_held for e in status(pre.socket).engines] == [0]
         tx.spare.enabled = False
         tx.release_slot(tx.acquire(tokens))
         assert [e.slots_held for e in status(pre.socket).engines] == [0]
+        assert metric(pre, "kvxferd_ring_used_bytes", used) == 0
+
+
+def test_a_sending_engine_hears_each_chunk_only_when_it_asks(daemons: Any) -> None:
+    """A prefill engine's plain watch gets state changes once each, not an event per chunk; a
+    watch with chunk_progress gets one per chunk written, counting up. cancel() ends a watch from
+    another thread."""
+    import threading
+    import time
+
+    from kvxfer_client import DecodeReceiver, PrefillSender, RoomState
+
+    pre = daemons("prefill")
+    dec = daemons("decode")
+    chunks, tokens = 6, 16
+    token_bytes = LAYOUT.num_layers * 2 * LAYOUT.total_kv_heads * LAYOUT.head_dim * LAYOUT.dtype_bytes
+    with PrefillSender(socket=pre.socket, group="prog-pre", layout=LAYOUT, ring_bytes=4 << 20) as tx, \
+            DecodeReceiver(socket=dec.socket, group="prog-dec", layout=LAYOUT, ring_bytes=4 << 20) as rx:
+        streams = {"plain": tx.watch(), "progress": tx.watch(chunk_progress=True)}
+        seen: dict[str, list[Any]] = {k: [] for k in streams}
+
+        def follow(name: str) -> None:
+            for ev in streams[name]:
+                seen[name].append(ev)
+
+        threads = [threading.Thread(target=follow, args=(k,), daemon=True) for k in streams]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)  # both streams subscribed before the room starts
+        rx.expect(1, pre.peer_address, "prog-pre", chunks * tokens)
+        for cid in range(chunks):
+            tx.send_chunk(1, cid, cid * tokens, tokens, random.randbytes(token_bytes * tokens),
+                          last=cid == chunks - 1)
+        _, final = rx.receive(1, timeout=30)
+        assert final.state is RoomState.SUCCESS
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(
+                any(e.state is RoomState.SUCCESS for e in seen[k]) for k in streams):
+            time.sleep(0.02)
+        for s in streams.values():
+            s.cancel()
+        for t in threads:
+            t.join(5)
+            assert not t.is_alive(), "cancel() did not end the watch"
+    plain = [e for e in seen["plain"] if e.room == 1]
+    progress = [e for e in seen["progress"] if e.room == 1]
+    assert plain[-1].state is RoomState.SUCCESS and plain[-1].chunks_done == chunks, plain
+    # The room turning TRANSFERRING and the first chunk written; no event per later chunk.
+    assert sum(e.state is RoomState.TRANSFERRING for e in plain) <= 2, plain
+    done = [e.chunks_done for e in progress if e.state is RoomState.TRANSFERRING]
+    assert done == sorted(done) and set(range(1, chunks + 1)) <= set(done), progress

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -71,8 +72,14 @@ def test_the_lane_answers_as_grpc_does(daemons: Any) -> None:
         assert tx.poll(1).state.name == "BOOTSTRAPPING"
 
         path = tx.reg.lane_socket
-        got, code, msg = _raw_call(path, "WatchRooms", b"")
+        got, code, msg = _raw_call(path, "EnqueueStream", b"")
         assert (got, code) == (7, grpc.StatusCode.UNIMPLEMENTED.value[0]) and b"not served on the lane" in msg
+        # A stream the lane serves refuses as gRPC does: an engine that is not registered.
+        watch = engine_pb2.WatchRoomsRequest(engine_id="nobody@x")
+        got, code, msg = _raw_call(path, "WatchRooms", watch.SerializeToString())
+        with grpc.insecure_channel(f"unix:{d.socket}") as ch, pytest.raises(grpc.RpcError) as via_grpc:
+            list(engine_pb2_grpc.EngineStub(ch).WatchRooms(watch, timeout=5))
+        assert got == 7 and code == via_grpc.value.code().value[0] != 0 and msg.decode() == via_grpc.value.details()
         got, code, msg = _raw_call(path, "PollRoom", b"\xff\xff\xff")
         assert code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and b"does not parse" in msg
         # A frame over max_message_bytes ends that connection only.
@@ -149,3 +156,31 @@ def test_a_bad_pool_backing_is_refused(daemons: Any) -> None:
     d = daemons("badbacking", "--set", "pool_backing=ramdisk", wait=False)
     assert d.proc.wait(30) == 2
     assert "pool_backing must be one of auto, private, shm_dir" in d.log_text()
+
+
+@pytest.mark.parametrize("lane", [True, False], ids=["lane", "grpc"])
+def test_room_events_arrive_over_the_lane_or_grpc_alike(daemons: Any, lane: bool) -> None:
+    """WatchRooms over the lane (the default) and over gRPC deliver the same events; cancel() from
+    another thread ends either."""
+    import threading
+
+    from kvxfer_client._lane import LaneStream
+
+    d = daemons("watch", "--set", f"engine_lane={str(lane).lower()}")
+    with PrefillSender(socket=d.socket, group="g", layout=LAYOUT, ring_bytes=1 << 20) as tx:
+        stream = tx.watch()
+        assert isinstance(stream._stream, LaneStream) is lane
+        got: list[Any] = []
+        reader = threading.Thread(target=lambda: got.extend(stream), daemon=True)
+        reader.start()
+        time.sleep(0.3)  # subscribed
+        tx.enqueue(3, 0, 0, 8, tx.acquire(8), last=True)
+        tx.abort(3, "test abort")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not any(e.state.name == "FAILED" for e in got):
+            time.sleep(0.02)
+        stream.cancel()
+        reader.join(5)
+        assert not reader.is_alive()
+        failed = [e for e in got if e.room == 3 and e.state.name == "FAILED"]
+        assert len(failed) == 1 and "test abort" in failed[0].failure_reason, got

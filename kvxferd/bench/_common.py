@@ -11,6 +11,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -143,6 +144,30 @@ def proc_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / ticks
 
 
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds per OS thread name of a live process (threads of one name summed); {} if gone.
+
+    The daemon names its threads (kvx-worker-N, kvx-notif, ...), so this says which part of a
+    daemon spent the CPU: the event loop (the process's own name), the copies, the pollers.
+    """
+    ticks = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as fh:
+                head, rest = fh.read().rsplit(")", 1)
+        except OSError:
+            continue
+        name = re.sub(r"\d+$", "N", head.split("(", 1)[1])
+        fields = rest.split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return out
+
+
 def system_busy_seconds() -> float:
     """CPU seconds all cores of this machine spent busy (not idle/iowait) since boot."""
     try:
@@ -166,16 +191,25 @@ class CpuMeter:
         self._t0: dict[str, float] = {}
         self._wall0 = 0.0
         self._busy0 = 0.0
+        self._threads0: dict[str, dict[str, float]] = {}
+        self.threads: dict[str, dict[str, float]] = {}
 
     def start(self) -> None:
         self._wall0 = time.monotonic()
         self._busy0 = system_busy_seconds()
         self._t0 = {k: proc_cpu_seconds(p) for k, p in self.pids.items()}
+        self._threads0 = {k: thread_cpu_seconds(p) for k, p in self.pids.items() if k.startswith("daemon")}
 
     def stop(self) -> dict[str, float]:
         wall = max(time.monotonic() - self._wall0, 1e-9)
         out = {k: round(proc_cpu_seconds(p) - self._t0.get(k, 0.0), 4) for k, p in self.pids.items()}
         ours = sum(out.values())
+        # Per thread name, daemons only (threads that ended during the run are not counted).
+        self.threads = {}
+        for k, before in self._threads0.items():
+            now = thread_cpu_seconds(self.pids[k])
+            self.threads[k] = {n: round(v - before.get(n, 0.0), 3) for n, v in sorted(now.items())
+                               if v - before.get(n, 0.0) >= 0.005}
         out["_wall_s"] = round(wall, 4)
         out["_other_s"] = round(max(0.0, system_busy_seconds() - self._busy0 - ours), 4)
         return out

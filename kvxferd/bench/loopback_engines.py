@@ -143,7 +143,28 @@ class _PrefillEngine:
             self.ready.append(p)
         self.cond.notify_all()
 
+    def _follow(self, stream: Any) -> None:
+        """Blocking mode: per-chunk progress events wake _wait_chunk (stream opened for that run only,
+        so the other runs pay no event per chunk)."""
+        try:
+            for _ in stream:
+                self.progress.set()
+        except Exception:  # cancelled at the end of the run, or the daemon went
+            pass
+
     def produce(self, spec: RunSpec) -> dict[str, Any]:
+        progress = None
+        if spec.mode == "blocking":
+            progress = self.tx.watch(chunk_progress=True)
+            threading.Thread(target=self._follow, args=(progress,), name="bench-progress", daemon=True).start()
+            time.sleep(0.2)  # subscribed before the first room is admitted
+        try:
+            return self._produce(spec)
+        finally:
+            if progress is not None:
+                progress.cancel()
+
+    def _produce(self, spec: RunSpec) -> dict[str, Any]:
         deadline = time.monotonic() + spec.timeout_s
         acquire_wait = 0.0
         with self.cond:

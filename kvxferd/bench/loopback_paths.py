@@ -93,6 +93,7 @@ class LoopbackBench(LoopbackRig):
         out = summarize(admit, done, [t * s.shape.bytes_per_token for t in tokens], in_flight)
         out.update({
             "cpu_s": _cpu_groups(cpu),
+            "cpu_s_by_thread": meter.threads,
             "acquire_wait_s": max(r["acquire_wait_s"] for r in pres),
             "stamps_checked": sum(r["stamps_checked"] for r in dres),
             "bytes_checked": sum(r["bytes_checked"] for r in dres),

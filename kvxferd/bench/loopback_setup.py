@@ -166,7 +166,7 @@ class LoopbackRig:
         spies = []
         for name in ("prefill", "decode"):
             raw = out / f"{name}-daemon.{g.name}.txt"
-            cmd = [exe, "record", "--pid", str(self.daemons[name].pid), "--rate", "250", "--format", "raw",
+            cmd = [exe, "record", "--pid", str(self.daemons[name].pid), "--rate", os.environ.get("KVX_PYSPY_RATE", "250"), "--format", "raw",
                    "--threads", "--nonblocking", "--output", str(raw), "--duration", str(int(spec.timeout_s)),
                    *os.environ.get("KVX_PYSPY_ARGS", "").split()]
             if "--native" in cmd:

@@ -146,8 +146,10 @@ class _AsyncEngineClient:
             await asyncio.sleep(delay)
             delay = min(delay * 2, poll_s)
 
-    async def watch(self) -> AsyncIterator[RoomEvent]:
-        call = self.stub.WatchRooms(engine_pb2.WatchRoomsRequest(engine_id=self.engine_id))
+    async def watch(self, chunk_progress: bool = False) -> AsyncIterator[RoomEvent]:
+        """Events for every room of this engine (see the sync client's watch)."""
+        call = self.stub.WatchRooms(engine_pb2.WatchRoomsRequest(engine_id=self.engine_id,
+                                                                 chunk_progress=chunk_progress))
         try:
             async for ev in call:
                 yield room_event(ev)

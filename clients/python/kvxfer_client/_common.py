@@ -228,6 +228,8 @@ class RoomEvent:
     failure_reason: str = ""
     landed: Landed | None = None
     aux: bytes = b""
+    # On a sending engine's events: its chunks of the room written so far.
+    chunks_done: int = 0
 
 
 @dataclass(frozen=True)
@@ -384,6 +386,7 @@ def room_event(pb: engine_pb2.RoomEvent) -> RoomEvent:
         room=pb.room.id, generation=pb.room.generation, state=RoomState(pb.state),
         failure_code=_failure_name(pb.failure_code), failure_reason=pb.failure_reason,
         landed=landed(pb.landed) if pb.HasField("landed") else None, aux=bytes(pb.aux),
+        chunks_done=pb.chunks_done,
     )
 
 

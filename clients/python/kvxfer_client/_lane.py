@@ -2,8 +2,9 @@
 messages as gRPC, framed by hand on a Unix socket, at a fraction of the CPU per call.
 
 A client uses the lane when RegisterEngineReply.lane_socket names one; `RoutedStub` sends the
-calls the lane serves there and everything else (streams, RegisterEngine) over gRPC. Errors
-come back as KvxferError with the same status codes and messages as over gRPC.
+calls the lane serves there and everything else (EnqueueStream, RegisterEngine) over gRPC. The
+sync client's WatchRooms goes over the lane too, on a connection of its own (`LaneStream`).
+Errors come back as KvxferError with the same status codes and messages as over gRPC.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kvxfer_client._pb.kvxfer.v1 import engine_pb2
 
 REQUEST = struct.Struct("<IIIB")
 REPLY = struct.Struct("<IIB")
+STREAM_MORE = 0xFF  # a message of a server stream; more follow
 _SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"]
 _STATUS = {sc.value[0]: sc for sc in grpc.StatusCode}
 # Every unary call but RegisterEngine (which hands out the lane).
@@ -57,6 +59,7 @@ class SyncLane:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()
+        self._streams: set[LaneStream] = set()
         self._closed = False
 
     def _sock(self) -> socket.socket:
@@ -113,12 +116,92 @@ class SyncLane:
             raise ConnectionResetError("connection closed by the daemon")
         return data
 
+    def stream(self, name: str, req: Any, reply_cls: Any) -> LaneStream:
+        """A server stream on a connection of its own (a watcher blocks its thread in recv)."""
+        if self._closed:
+            raise KvxferError(grpc.StatusCode.CANCELLED, "the client is closed")
+        st = LaneStream(self.path, name, req, reply_cls, self._streams_done)
+        with self._lock:
+            self._streams.add(st)
+        return st
+
+    def _streams_done(self, st: LaneStream) -> None:
+        with self._lock:
+            self._streams.discard(st)
+
     def close(self) -> None:
         self._closed = True
         with self._lock:
             socks, self._open = self._open, set()
+            streams, self._streams = self._streams, set()
         for sock in socks:
             sock.close()
+        for st in streams:
+            st.cancel()
+
+
+class LaneStream:
+    """The messages of one server stream, read by the thread that iterates it; cancel() ends it
+    from any thread (the reader sees the connection shut and stops)."""
+
+    def __init__(self, path: str, name: str, req: Any, reply_cls: Any, done: Any) -> None:
+        self._cls = reply_cls
+        self._done = done
+        self._buf = bytearray()
+        self._cancelled = False
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._sock.connect(path)
+            self._sock.sendall(_frame(name, 1, None, req))
+        except OSError as exc:
+            self._sock.close()
+            raise KvxferError(grpc.StatusCode.UNAVAILABLE, f"cannot reach the daemon's lane {path}: {exc}") from None
+
+    def __iter__(self) -> LaneStream:
+        return self
+
+    def __next__(self) -> Any:
+        code, payload = self._frame()
+        if code == STREAM_MORE:
+            return self._cls.FromString(payload)
+        self._finish()
+        if code == 0:
+            raise StopIteration
+        raise KvxferError(_STATUS.get(code, grpc.StatusCode.UNKNOWN), payload.decode(errors="replace"))
+
+    def _frame(self) -> tuple[int, bytes]:
+        buf = self._buf
+        while True:
+            if len(buf) >= REPLY.size:
+                length, _, code = REPLY.unpack_from(buf)
+                end = REPLY.size + length
+                if len(buf) >= end:
+                    payload = bytes(buf[REPLY.size:end])
+                    del buf[:end]
+                    return code, payload
+            try:
+                data = self._sock.recv(1 << 16)
+            except OSError as exc:
+                data, why = b"", f"the daemon's lane closed the stream: {exc}"
+            else:
+                why = "the daemon's lane closed the stream"
+            if not data:
+                self._finish()
+                if self._cancelled:
+                    raise StopIteration
+                raise KvxferError(grpc.StatusCode.UNAVAILABLE, why)
+            buf += data
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes a reader blocked in recv; it closes
+        except OSError:
+            pass
+
+    def _finish(self) -> None:
+        self._sock.close()
+        self._done(self)
 
 
 class AioLane:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -45,6 +45,38 @@ from kvxfer_client._pinned import check_can_pin, gpu_ring_for
 
 _RETRYABLE_FULL = grpc.StatusCode.RESOURCE_EXHAUSTED
 
+
+
+class EventStream:
+    """RoomEvents of one WatchRooms stream (over the lane, or gRPC): iterate it; cancel() ends it
+    from any thread (a generator could only be closed by the thread iterating it)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def __iter__(self) -> EventStream:
+        return self
+
+    def __next__(self) -> RoomEvent:
+        try:
+            return room_event(next(self._stream))
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.CANCELLED:
+                raise StopIteration from None
+            raise wrap_rpc_error(exc) from None
+
+    def cancel(self) -> None:
+        self._stream.cancel()
+
+    def __enter__(self) -> EventStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cancel()
+
+    def __del__(self) -> None:
+        # Dropped unfinished (a loop that broke out): the stream and its watcher slot go too.
+        self._stream.cancel()
 
 class _EngineClient:
     role = 0
@@ -141,17 +173,18 @@ class _EngineClient:
             time.sleep(delay)
             delay = min(delay * 2, poll_s)
 
-    def watch(self) -> Iterator[RoomEvent]:
-        """Events for every room of this engine, as they happen (server stream)."""
-        stream = self.stub.WatchRooms(engine_pb2.WatchRoomsRequest(engine_id=self.engine_id))
-        try:
-            for ev in stream:
-                yield room_event(ev)
-        except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.CANCELLED:
-                raise wrap_rpc_error(exc) from None
-        finally:
-            stream.cancel()
+    def watch(self, chunk_progress: bool = False) -> EventStream:
+        """Events for every room of this engine, as they happen (server stream).
+
+        chunk_progress: a sending engine also hears each chunk it sent being written
+        (RoomEvent.chunks_done); without it, only state changes, once each. The stream ends when
+        it is cancelled (from any thread) or dropped.
+        """
+        req = engine_pb2.WatchRoomsRequest(engine_id=self.engine_id, chunk_progress=chunk_progress)
+        lane = self.stub.lane
+        if isinstance(lane, SyncLane):
+            return EventStream(lane.stream("WatchRooms", req, engine_pb2.RoomEvent))
+        return EventStream(self.stub.WatchRooms(req))
 
     def abort(self, room: int, reason: str = "", generation: int = 0) -> None:
         self._call(self.stub.AbortRoom, engine_pb2.AbortRoomRequest(

@@ -250,26 +250,30 @@ class RoomStatus(_message.Message):
     def __init__(self, room: _Optional[_Union[_common_pb2.RoomKey, _Mapping]] = ..., state: _Optional[_Union[_common_pb2.RoomState, str]] = ..., failure_code: _Optional[_Union[_common_pb2.FailureCode, str]] = ..., failure_reason: _Optional[str] = ..., landed: _Optional[_Iterable[_Union[LandedChunk, _Mapping]]] = ..., aux: _Optional[bytes] = ..., chunks_done: _Optional[int] = ...) -> None: ...
 
 class WatchRoomsRequest(_message.Message):
-    __slots__ = ("engine_id",)
+    __slots__ = ("engine_id", "chunk_progress")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
-    def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
+    chunk_progress: bool
+    def __init__(self, engine_id: _Optional[str] = ..., chunk_progress: _Optional[bool] = ...) -> None: ...
 
 class RoomEvent(_message.Message):
-    __slots__ = ("room", "state", "failure_code", "failure_reason", "landed", "aux")
+    __slots__ = ("room", "state", "failure_code", "failure_reason", "landed", "aux", "chunks_done")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     FAILURE_CODE_FIELD_NUMBER: _ClassVar[int]
     FAILURE_REASON_FIELD_NUMBER: _ClassVar[int]
     LANDED_FIELD_NUMBER: _ClassVar[int]
     AUX_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_DONE_FIELD_NUMBER: _ClassVar[int]
     room: _common_pb2.RoomKey
     state: _common_pb2.RoomState
     failure_code: _common_pb2.FailureCode
     failure_reason: str
     landed: LandedChunk
     aux: bytes
-    def __init__(self, room: _Optional[_Union[_common_pb2.RoomKey, _Mapping]] = ..., state: _Optional[_Union[_common_pb2.RoomState, str]] = ..., failure_code: _Optional[_Union[_common_pb2.FailureCode, str]] = ..., failure_reason: _Optional[str] = ..., landed: _Optional[_Union[LandedChunk, _Mapping]] = ..., aux: _Optional[bytes] = ...) -> None: ...
+    chunks_done: int
+    def __init__(self, room: _Optional[_Union[_common_pb2.RoomKey, _Mapping]] = ..., state: _Optional[_Union[_common_pb2.RoomState, str]] = ..., failure_code: _Optional[_Union[_common_pb2.FailureCode, str]] = ..., failure_reason: _Optional[str] = ..., landed: _Optional[_Union[LandedChunk, _Mapping]] = ..., aux: _Optional[bytes] = ..., chunks_done: _Optional[int] = ...) -> None: ...
 
 class WatermarkRequest(_message.Message):
     __slots__ = ("engine_id", "room", "chunk_ids")

@@ -1,0 +1,56 @@
+"""PeerLink's outgoing batches: range releases wait briefly for company, everything else leaves at once."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from kvxferd.config import Config
+from kvxferd.domain import FailureCode, RoomKey
+from kvxferd.metrics import Metrics
+from kvxferd.peer_link import LAZY_FLUSH_S, PeerLink, Session
+
+
+async def _link() -> tuple[PeerLink, list[Any]]:
+    link = PeerLink("127.0.0.1:1", Config(heartbeat_interval_s=30.0), Metrics())
+    batches: list[Any] = []
+
+    async def write(batch: Any) -> None:
+        batches.append(batch)
+
+    link.attach(Session(write, lambda: None))
+    await asyncio.sleep(0.05)  # the attach's first (empty) batch, if any, is out
+    batches.clear()
+    return link, batches
+
+
+async def test_range_releases_share_one_batch() -> None:
+    link, batches = await _link()
+    try:
+        for i in range(10):
+            link.send_release(ranges=[(1, i * 4096)])
+        await asyncio.sleep(0)
+        assert batches == [], "a range release left before its flush delay"
+        await asyncio.sleep(LAZY_FLUSH_S * 5)
+        assert len(batches) == 1 and len(batches[0].msgs) == 10
+        assert [m.release.ranges[0].offset for m in batches[0].msgs] == [i * 4096 for i in range(10)]
+    finally:
+        await link.close()
+
+
+async def test_other_messages_leave_at_once_and_take_waiting_releases_along() -> None:
+    link, batches = await _link()
+    try:
+        link.send_release(ranges=[(1, 0)])
+        link.send_abort(RoomKey(7), FailureCode.ABORTED, "test", quiesced=True)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert len(batches) == 1
+        assert [m.WhichOneof("body") for m in batches[0].msgs] == ["release", "abort"]
+        # A room's release (the room is over on the decode side) is not held either.
+        link.send_release(rooms=[RoomKey(7)])
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert len(batches) == 2 and batches[1].msgs[0].release.rooms[0].id == 7
+    finally:
+        await link.close()
