@@ -184,3 +184,39 @@ def test_room_events_arrive_over_the_lane_or_grpc_alike(daemons: Any, lane: bool
         assert not reader.is_alive()
         failed = [e for e in got if e.room == 3 and e.state.name == "FAILED"]
         assert len(failed) == 1 and "test abort" in failed[0].failure_reason, got
+
+
+@pytest.mark.parametrize("lane", [True, False], ids=["lane", "grpc"])
+async def test_async_clients_watch_over_the_lane_or_grpc_alike(daemons: Any, lane: bool) -> None:
+    """The asyncio client's watch: the same events over either transport; leaving the loop ends it."""
+    import asyncio
+
+    from kvxfer_client import AsyncPrefillSender
+
+    d = daemons("awatch", "--set", f"engine_lane={str(lane).lower()}")
+    tx = await AsyncPrefillSender.create(socket=d.socket, group="g", layout=LAYOUT, ring_bytes=1 << 20)
+    try:
+        got: list[Any] = []
+
+        async def follow() -> None:
+            async for ev in tx.watch():
+                got.append(ev)
+                if ev.room == 3 and ev.state.name == "FAILED":
+                    return
+
+        task = asyncio.ensure_future(follow())
+        await asyncio.sleep(0.3)  # subscribed
+        assert [c.used for c in (await tx.status()).caps if c.name == "open_streams"] == [1]
+        await tx.enqueue(3, 0, 0, 8, await tx.acquire(8), last=True)
+        await tx.abort(3, "test abort")
+        await asyncio.wait_for(task, 10)
+        failed = [e for e in got if e.room == 3 and e.state.name == "FAILED"]
+        assert len(failed) == 1 and "test abort" in failed[0].failure_reason, got
+        # The stream is gone from the daemon once the loop left it: no watcher stays counted.
+        for _ in range(50):
+            if not [c for c in (await tx.status()).caps if c.name == "open_streams" and c.used]:
+                break
+            await asyncio.sleep(0.05)
+        assert not [c for c in (await tx.status()).caps if c.name == "open_streams" and c.used]
+    finally:
+        await tx.close()

@@ -147,9 +147,15 @@ class _AsyncEngineClient:
             delay = min(delay * 2, poll_s)
 
     async def watch(self, chunk_progress: bool = False) -> AsyncIterator[RoomEvent]:
-        """Events for every room of this engine (see the sync client's watch)."""
-        call = self.stub.WatchRooms(engine_pb2.WatchRoomsRequest(engine_id=self.engine_id,
-                                                                 chunk_progress=chunk_progress))
+        """Events for every room of this engine (see the sync client's watch); over the lane when
+        the daemon offers one."""
+        req = engine_pb2.WatchRoomsRequest(engine_id=self.engine_id, chunk_progress=chunk_progress)
+        lane = self.stub.lane
+        if isinstance(lane, AioLane):
+            async for pb in lane.stream("WatchRooms", req, engine_pb2.RoomEvent):
+                yield room_event(pb)
+            return
+        call = self.stub.WatchRooms(req)
         try:
             async for ev in call:
                 yield room_event(ev)

@@ -15,6 +15,7 @@ import os
 import socket
 import struct
 import threading
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -262,6 +263,31 @@ class AioLane:
         finally:
             self._pending.pop(call_id, None)
         return _result(name, code, payload)
+
+    async def stream(self, name: str, req: Any, reply_cls: Any) -> AsyncIterator[Any]:
+        """A server stream on a connection of its own; closing the generator (or cancelling its
+        task) closes the connection, which ends the stream on the daemon."""
+        try:
+            reader, writer = await asyncio.open_unix_connection(self.path)
+        except OSError as exc:
+            raise KvxferError(grpc.StatusCode.UNAVAILABLE, f"cannot reach the daemon's lane {self.path}: {exc}") from None
+        try:
+            writer.write(_frame(name, 1, None, req))
+            while True:
+                try:
+                    length, _, code = REPLY.unpack(await reader.readexactly(REPLY.size))
+                    payload = await reader.readexactly(length) if length else b""
+                except (asyncio.IncompleteReadError, OSError) as exc:
+                    raise KvxferError(grpc.StatusCode.UNAVAILABLE,
+                                      f"the daemon's lane closed the stream: {exc!r}") from None
+                if code == STREAM_MORE:
+                    yield reply_cls.FromString(payload)
+                    continue
+                if code:
+                    raise KvxferError(_STATUS.get(code, grpc.StatusCode.UNKNOWN), payload.decode(errors="replace"))
+                return
+        finally:
+            writer.close()
 
     async def close(self) -> None:
         if self._writer is not None:
