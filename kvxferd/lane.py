@@ -70,13 +70,13 @@ class LaneContext:
 
 
 class LaneServer:
-    def __init__(self, path: str, methods: Mapping[str, tuple[Handler, Any]], max_frame_bytes: int,
-                 streams: Mapping[str, tuple[StreamHandler, Any]] | None = None) -> None:
+    def __init__(self, path: str, methods: Mapping[str, tuple[Handler, Any]],
+                 streams: Mapping[str, tuple[StreamHandler, Any]], max_frame_bytes: int) -> None:
         """methods: name -> (bound servicer method, request message class); streams: the same for
         server-streaming methods."""
         self.path = path
         self._methods = dict(methods)
-        self._streams = dict(streams or {})
+        self._streams = dict(streams)
         self._max_frame = max_frame_bytes
         self._server: asyncio.AbstractServer | None = None
         self._conns: set[_LaneConnection] = set()

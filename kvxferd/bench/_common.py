@@ -343,7 +343,10 @@ def rounded(obj: Any, digits: int = 4) -> Any:
 def target_check(value: float | None, op: str, limit: float) -> bool | None:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return None
-    return value >= limit if op == ">=" else value <= limit
+    checks = {">=": value >= limit, ">": value > limit, "<=": value <= limit, "<": value < limit}
+    if op not in checks:
+        raise ValueError(f"unknown target operator {op!r}")
+    return checks[op]
 
 
 def iter_chunks(total: int, size: int) -> Iterable[int]:

@@ -20,6 +20,7 @@ TARGETS: dict[str, tuple[str, float]] = {
     "kvxferd_over_mooncake": (">=", 4.0),
     "per_token_slowdown": (">=", 10.0),
     "mixed_tp_over_same_tp": (">=", 0.90),
+    "kvxferd_cpu_over_raw_nixl": ("<=", 1.5),
 }
 
 PATH_LABELS = {
@@ -56,7 +57,22 @@ def _find(points: Sequence[dict[str, Any]], path: str, chunk: int, conc: int) ->
 
 def _median_gbps(points: Sequence[dict[str, Any]], path: str, chunk: int, conc: int) -> float | None:
     """Median throughput over the runs of a point (one run: its throughput)."""
-    vals = sorted(float(p["throughput_gbps"]) for p in _all(points, path, chunk, conc))
+    return _median([float(p["throughput_gbps"]) for p in _all(points, path, chunk, conc)])
+
+
+def _cpu_per_gb(p: dict[str, Any]) -> float | None:
+    """CPU seconds of every process of the path (both daemons and all engines; raw: initiator and
+    target) per GB (1e9 B) of KV the point moved."""
+    cpu = sum(v for k, v in p.get("cpu_s", {}).items() if not k.startswith("_"))
+    return cpu / (p["bytes"] / 1e9) if p.get("bytes") else None
+
+
+def _median_cpu_per_gb(points: Sequence[dict[str, Any]], path: str, chunk: int, conc: int) -> float | None:
+    return _median([v for p in _all(points, path, chunk, conc) if (v := _cpu_per_gb(p)) is not None])
+
+
+def _median(values: list[float]) -> float | None:
+    vals = sorted(values)
     if not vals:
         return None
     mid = len(vals) // 2
@@ -96,6 +112,9 @@ def compute_ratios(s: Settings, points: Sequence[dict[str, Any]], verified: bool
         "mixed_tp_over_same_tp_by_pair": mixed,
         "per_token_slowdown_by_pair": per_token,
         "blocking_over_kvxferd": ratio(_median_gbps(points, "blocking", ch, 1), kvx),
+        "cpu_s_per_gb": {path: _median_cpu_per_gb(points, path, ch, hc) for path in ("raw_nixl", "kvxferd")},
+        "kvxferd_cpu_over_raw_nixl": ratio(_median_cpu_per_gb(points, "kvxferd", ch, hc),
+                                           _median_cpu_per_gb(points, "raw_nixl", ch, hc)),
         "headline_runs": {
             path: [round(float(p["throughput_gbps"]), 4) for p in _all(points, path, ch, hc)]
             for path in ("raw_nixl", "kvxferd", "mooncake_tcp")
@@ -109,6 +128,8 @@ def compute_ratios(s: Settings, points: Sequence[dict[str, Any]], verified: bool
     for c in s.chunk_tokens:
         by_chunk[str(c)] = {
             "kvxferd_over_raw_nixl": ratio(_median_gbps(points, "kvxferd", c, hc), _median_gbps(points, "raw_nixl", c, hc)),
+            "kvxferd_cpu_over_raw_nixl": ratio(_median_cpu_per_gb(points, "kvxferd", c, hc),
+                                               _median_cpu_per_gb(points, "raw_nixl", c, hc)),
             "kvxferd_over_mooncake": ratio(_median_gbps(points, "kvxferd", c, hc),
                                            _median_gbps(points, "mooncake_tcp", c, hc)),
             "p99_over_p50_at_tail": (_find(points, "kvxferd", c, tc) or {}).get("latency_ms", {}).get("p99_over_p50"),

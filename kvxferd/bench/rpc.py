@@ -54,6 +54,7 @@ TARGETS: dict[str, tuple[str, float]] = {
     "unary_p50_us": ("<=", 300.0),
     "unary_p99_us": ("<=", 1000.0),
     "batched_chunks_per_s": (">=", 20_000.0),
+    "idle_daemon_core_pct": ("<", 1.0),
 }
 
 
@@ -68,12 +69,14 @@ class RpcSettings:
     stream_chunks: int = 20_000
     chunks_per_room: int = 8
     ring_bytes: int = 128 << 20
+    # An idle daemon (this bench's engine registered and watching, no rooms) is metered this long.
+    idle_seconds: float = 10.0
     quick: bool = False
 
 
 DEFAULT = RpcSettings()
 QUICK = RpcSettings(unary_seconds=1.0, closed_loop_calls=500, batch_sizes=(256,), batched_chunks=3000,
-                    stream_chunks=3000, quick=True)
+                    stream_chunks=3000, idle_seconds=2.0, quick=True)
 
 
 class RpcBench:
@@ -261,6 +264,23 @@ class RpcBench:
         return {"calls": len(chunks), "chunks_per_s": len(chunks) / wall, "latency_us": latency_summary(lat, 1e6),
                 "cpu_s": meter.stop()}
 
+    def idle(self, seconds: float) -> dict[str, Any]:
+        """The daemon's CPU with the engine registered (keep-alives) and a WatchRooms stream open,
+        and no rooms: what a node pays for a daemon that has nothing to move."""
+        import threading
+
+        stream = self.tx.watch()
+        reader = threading.Thread(target=lambda: [None for _ in stream], name="bench-idle-watch", daemon=True)
+        reader.start()
+        time.sleep(0.5)  # subscribed, start-up work done
+        meter = self.meter()
+        meter.start()
+        time.sleep(seconds)
+        cpu = meter.stop()
+        stream.cancel()
+        reader.join(5)
+        return {"seconds": seconds, "cpu_s": cpu, "daemon_core_pct": 100 * cpu["daemon"] / cpu["_wall_s"]}
+
     def health_floor(self, n: int) -> dict[str, Any]:
         """grpc.health.v1 Check on the same socket: what any unary RPC costs here (the floor)."""
         from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -337,6 +357,8 @@ def _print(con: Any, result: dict[str, Any]) -> None:
         t.add_row(f"EnqueueChunks, batches of {b['batch']}", f"{b['chunks_per_s']:.0f} chunks/s")
     t.add_row("EnqueueStream (one stream)", f"{result['streaming']['chunks_per_s']:.0f} chunks/s")
     t.add_row("AcquireSlot back to back, p50", f"{result['acquire_latency_us']['p50']:.0f} µs")
+    t.add_row(f"idle daemon (engine registered and watching), {result['idle']['seconds']:.0f} s",
+              f"{result['idle']['daemon_core_pct']:.2f} % of a core")
     con.print(t)
     tt = Table(title="targets")
     for col in ("figure", "value", "target", "met"):
@@ -383,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
                       TimeElapsedColumn(), console=con) as prog:
             task = prog.add_task("starting the daemon", total=total)
             bench.start()
+            prog.update(task, description=f"idle daemon, {s.idle_seconds:.0f} s")
+            result["idle"] = bench.idle(s.idle_seconds)
             acq: list[float] = []
 
             def tick(n: int) -> None:
@@ -435,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
             "batched_chunks_per_s": head["chunks_per_s"],
             "batched_batch_size": head["batch"],
             "streaming_chunks_per_s": result["streaming"]["chunks_per_s"],
+            "idle_daemon_core_pct": result["idle"]["daemon_core_pct"],
             "errors": result["unary_paced"]["errors"] + sum(b["errors"] for b in result["batched"])
             + result["streaming"]["errors"],
         })

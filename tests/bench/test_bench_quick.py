@@ -26,8 +26,13 @@ def test_loopback_quick_every_path_measured_and_checked(tmp_path: Path) -> None:
     assert rc == 0, result["failures"]
     ratios = result["ratios"]
     assert ratios["bytes_verified"] is True
-    for key in ("kvxferd_over_raw_nixl", "p99_over_p50_at_64", "mixed_tp_over_same_tp", "per_token_slowdown"):
+    for key in ("kvxferd_over_raw_nixl", "p99_over_p50_at_64", "mixed_tp_over_same_tp", "per_token_slowdown",
+                "kvxferd_cpu_over_raw_nixl"):
         assert _positive(ratios[key]), (key, ratios[key])
+    assert all(_positive(v) for v in ratios["cpu_s_per_gb"].values()), ratios["cpu_s_per_gb"]
+    kvx = [p for p in result["points"] if p["path"] == "kvxferd"]
+    # CPU per thread name of both daemons (which part of a daemon spent it).
+    assert kvx and all(sum(p["cpu_s_by_thread"]["daemon_prefill"].values()) > 0 for p in kvx)
     if ratios["kvxferd_over_mooncake"] is None:
         assert ratios["kvxferd_over_mooncake_reason"]
     else:
@@ -55,3 +60,6 @@ def test_rpc_quick_reports_latency_and_rates(tmp_path: Path) -> None:
     assert result["errors"] == 0
     assert "stubbed" in result["note"]
     assert result["unary_paced"]["calls"] > 0
+    idle = result["idle"]
+    assert idle["seconds"] == 2.0 and 0 <= idle["daemon_core_pct"] < 100 and idle["cpu_s"]["_wall_s"] >= 2.0
+    assert result["targets"]["idle_daemon_core_pct"]["target"] == "< 1"
