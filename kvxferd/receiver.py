@@ -129,6 +129,9 @@ class RecvSide:
         assert room.layout is not None
         deadline_ms = int((time.time() + room.deadline_s - (time.monotonic() - room.created)) * 1000)
         backoff = _BOOT_RETRY_MIN_S
+        # A registry route may name a daemon that died or restarted elsewhere: its record stays
+        # until its lease lapses, so an unreachable route is looked up again for one lease TTL.
+        redial_until = min(time.monotonic() + self.config.registry_lease_ttl_s, room.created + room.deadline_s - 0.1)
         while not room.finished:
             rs = room.readers.get(reader)
             if rs is None:
@@ -141,6 +144,11 @@ class RecvSide:
                 self.fail(room, FailureCode.PEER_LOST, str(exc), push=False)
                 return
             except Exception as exc:
+                if room.by_group and time.monotonic() < redial_until:
+                    room.resolving = None
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, _BOOT_RETRY_MAX_S)
+                    continue
                 self.fail(room, FailureCode.PEER_LOST, f"bootstrap with {room.prefill_address} failed: {exc}",
                           push=False)
                 return

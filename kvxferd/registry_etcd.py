@@ -153,8 +153,16 @@ class EtcdRegistry:
         """Revokes the lease first (peers see us leave at once, not a TTL later), then stops."""
         self._stopping = True
         if self._channel is not None and self._lease and self._up.is_set():
-            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError):
+            try:
                 await rpc.LeaseStub(self._channel).LeaseRevoke(rpc.LeaseRevokeRequest(ID=self._lease), timeout=1.0)
+            except (grpc.aio.AioRpcError, asyncio.TimeoutError):
+                pass
+            except asyncio.CancelledError:
+                # The keep-alive loop can see the revoked lease before this call returns: the session
+                # then ends and closes the channel under the call. Only our own cancellation goes on.
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -293,7 +301,8 @@ class EtcdRegistry:
                 if reply is grpc.aio.EOF:
                     raise _SessionEnded("lease keep-alive stream closed by etcd")
                 if reply.TTL <= 0:
-                    raise _SessionEnded("our lease expired (etcd was unreachable for longer than the TTL)")
+                    raise _SessionEnded("our lease was revoked (stopping)" if self._stopping else
+                                        "our lease expired (etcd was unreachable for longer than the TTL)")
                 await asyncio.sleep(self._cfg.registry_lease_ttl_s / 3)
         except asyncio.TimeoutError:
             raise _SessionEnded(f"no lease keep-alive answer within {t} s") from None

@@ -26,10 +26,12 @@ def test_loopback_quick_every_path_measured_and_checked(tmp_path: Path) -> None:
     assert rc == 0, result["failures"]
     ratios = result["ratios"]
     assert ratios["bytes_verified"] is True
-    for key in ("kvxferd_over_raw_nixl", "p99_over_p50_at_64", "mixed_tp_over_same_tp", "per_token_slowdown",
-                "kvxferd_cpu_over_raw_nixl"):
+    for key in ("kvxferd_over_raw_nixl", "p99_over_p50_at_64", "mixed_tp_over_same_tp", "per_token_slowdown"):
         assert _positive(ratios[key]), (key, ratios[key])
-    assert all(_positive(v) for v in ratios["cpu_s_per_gb"].values()), ratios["cpu_s_per_gb"]
+    # CPU is read in clock ticks (10 ms): a quick point may show none on one side, and then no ratio.
+    cpu = ratios["cpu_s_per_gb"]
+    assert set(cpu) == {"raw_nixl", "kvxferd"} and all(v is not None and v >= 0 for v in cpu.values()), cpu
+    assert (ratios["kvxferd_cpu_over_raw_nixl"] is None) == (not (cpu["raw_nixl"] and cpu["kvxferd"])), ratios
     kvx = [p for p in result["points"] if p["path"] == "kvxferd"]
     # CPU per thread name of both daemons (which part of a daemon spent it).
     assert kvx and all(sum(p["cpu_s_by_thread"]["daemon_prefill"].values()) > 0 for p in kvx)

@@ -116,7 +116,14 @@ def prefill_rank(socket: str, port: int, tp: int, rank: int, plans: list[RoomPla
         results: dict[int, str] = {}
         for i, plan in enumerate(plans):
             sender = KvxferdKVSender(mgr, f"127.0.0.1:{port}", plan.room)
-            assert _wait(sender, {KVPoll.WaitingForInput}) == KVPoll.WaitingForInput
+            got = _wait(sender, {KVPoll.WaitingForInput})
+            if got == KVPoll.Failed and plan.abort_after >= 0 and "aborted by engine" in sender._error:
+                # Another rank got here first and aborted the room (the plan says it does): a rank
+                # that comes later sees it failed, as sglang's scheduler would, and sends nothing.
+                results[plan.room] = "Failed"
+                sender.clear()
+                continue
+            assert got == KVPoll.WaitingForInput, f"room {plan.room}: poll {got}, {sender._error or 'no error'}"
             num_pages = -(-plan.tokens // PAGE)
             sender.init(num_pages, aux_index=i)
             pool.aux[i] = torch.frombuffer(bytearray(aux_for(plan.room)), dtype=torch.uint8)

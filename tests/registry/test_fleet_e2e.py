@@ -233,3 +233,28 @@ def test_static_mode_and_required_registry(daemons: Any) -> None:
                 "--set", "registry_required=true", "--set", "registry_timeout_s=0.5", wait=False)
     assert d.proc.wait(30) == 2
     assert "registry is required but etcd at 127.0.0.1:" in d.log_text()
+
+
+def test_a_route_to_a_dead_daemon_is_looked_up_again_until_its_record_goes(etcd: Etcd, daemons: Any) -> None:
+    """The registry still names a killed prefill daemon (its lease has not lapsed) when a decode
+    engine expects a room from its group: the refused dial is not the room's end. The group is
+    looked up again, and the room goes to the daemon's new instance once it has registered."""
+    args = registry_args(etcd, ttl=10)
+    dec = daemons("dec", *args)
+    pre = daemons("pre", *args)
+    tx = sender(pre, "moving")
+    wait_for(lambda: "pre" in fleet(etcd) and fleet(etcd)["pre"].groups, 10, "the group in the registry")
+    old_address = pre.peer_address
+    pre.kill()
+    tx.close(unregister=False)
+    rx = DecodeReceiver(socket=dec.socket, group="dec", layout=LAYOUT, ring_bytes=8 << 20)
+    rx.expect(1, "", "moving", TOKENS)
+    time.sleep(1.0)  # dials to the dead address are refused meanwhile
+    assert rx.poll(1).state is RoomState.BOOTSTRAPPING, rx.poll(1)
+    pre = daemons("pre", *args)
+    assert pre.peer_address != old_address
+    tx = sender(pre, "moving")
+    send_room(tx, 1)
+    receive_exact(rx, 1)
+    tx.close()
+    rx.close()
