@@ -364,7 +364,8 @@ def _print(con: Any, result: dict[str, Any]) -> None:
     for col in ("figure", "value", "target", "met"):
         tt.add_column(col)
     for k, row in result["targets"].items():
-        tt.add_row(k, f"{row['value']:.0f}" if row["value"] is not None else "n/a", row["target"],
+        v = row["value"]
+        tt.add_row(k, "n/a" if v is None else f"{v:.0f}" if v >= 100 else f"{v:.2f}", row["target"],
                    "[green]yes[/]" if row["met"] else "[red]no[/]")
     con.print(tt)
     con.print(f"[yellow]note:[/] {STUB_NOTE}")
