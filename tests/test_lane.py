@@ -220,3 +220,24 @@ async def test_async_clients_watch_over_the_lane_or_grpc_alike(daemons: Any, lan
         assert not [c for c in (await tx.status()).caps if c.name == "open_streams" and c.used]
     finally:
         await tx.close()
+
+
+def test_a_dropped_watch_frees_its_connection_and_the_daemons_stream(daemons: Any) -> None:
+    import gc
+
+    d = daemons("dropw")
+    with PrefillSender(socket=d.socket, group="g", layout=LAYOUT, ring_bytes=1 << 20) as tx:
+
+        def open_streams() -> list[int]:
+            return [c.used for c in tx.status().caps if c.name == "open_streams"]
+
+        w = tx.watch()
+        time.sleep(0.3)  # subscribed
+        assert open_streams() == [1] and len(tx.stub.lane._streams) == 1
+        del w
+        gc.collect()
+        assert len(tx.stub.lane._streams) == 0
+        deadline = time.monotonic() + 5
+        while open_streams() != [0] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert open_streams() == [0]

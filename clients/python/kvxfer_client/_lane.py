@@ -15,6 +15,7 @@ import os
 import socket
 import struct
 import threading
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -60,7 +61,9 @@ class SyncLane:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()
-        self._streams: set[LaneStream] = set()
+        # Weak: a watch dropped unfinished (already shut down by its EventStream) is freed with its
+        # socket, not kept until the client closes.
+        self._streams: weakref.WeakSet[LaneStream] = weakref.WeakSet()
         self._closed = False
 
     def _sock(self) -> socket.socket:
@@ -134,7 +137,7 @@ class SyncLane:
         self._closed = True
         with self._lock:
             socks, self._open = self._open, set()
-            streams, self._streams = self._streams, set()
+            streams, self._streams = list(self._streams), weakref.WeakSet()
         for sock in socks:
             sock.close()
         for st in streams:
