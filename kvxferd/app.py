@@ -341,11 +341,6 @@ async def _start(d: _Daemon, ready: Callable[[Ready], None] | None) -> None:
         __version__, ident.daemon_id, config.socket, ident.address, config.metrics_host, metrics_port,
         pool.size >> 20, peers.auth.mode,
     )
-    # Start-up objects live as long as the daemon: frozen, no collection walks them again (one took
-    # 6 % of the decode loop's time under load); a larger young generation collects less often.
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
     if ready is not None:
         ready(Ready(ident.daemon_id, config.socket, ident.address, metrics_port, engine_tcp, os.getpid()))
 
@@ -479,6 +474,11 @@ def run(config: Config, ready_file: str | None = None) -> int:
     setup_logging(config)
 
     def _ready(r: Ready) -> None:
+        # Process-wide, so not in serve() (tests embed it): start-up objects, frozen, are never walked
+        # again (a collection took 6 % of the decode loop); young collections come less often.
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
         if ready_file:
             tmp = ready_file + ".tmp"
             # Not through a symlink planted at the temporary name.

@@ -16,7 +16,7 @@ from kvxferd.engines import Engine, EngineTable
 from kvxferd.errors import CapExceeded, KvxferError
 from kvxferd.limits import WATCH_BACKLOG, WATCHERS_PER_ENGINE
 from kvxferd.metrics import Metrics
-from kvxferd.rooms import InSlot, ReaderState, RecvRoom, RoomBase, SendRoom, landed_view
+from kvxferd.rooms import InSlot, ReaderState, RecvRoom, RoomBase, SendRoom, WriterState, landed_view
 
 logger = logging.getLogger(__name__)
 
@@ -105,10 +105,13 @@ class EventHub:
         """The longest queue of any watcher (the watch_backlog cap's figure)."""
         return max((q.qsize() for e in self._engines.engines.values() for q in e.watchers), default=0)
 
+    @staticmethod
+    def _writer_event(room: SendRoom, w: WriterState) -> RoomEvent:
+        return RoomEvent(room.key, room.state, room.failure_code, room.failure_reason, chunks_done=len(w.done))
+
     def send_state(self, room: SendRoom) -> None:
         for w in room.writers.values():
-            self.publish(w.engine, RoomEvent(room.key, room.state, room.failure_code, room.failure_reason,
-                                             chunks_done=len(w.done)))
+            self.publish(w.engine, self._writer_event(room, w))
 
     def chunk_written(self, room: SendRoom, writer: int) -> None:
         """A writer's chunk is written. The first one is news to every watcher of that engine (a
@@ -116,8 +119,7 @@ class EventHub:
         watchers that asked for progress: an event per chunk costs a stream write here and a
         wake-up of the engine's watcher, for a state it already knows."""
         w = room.writers[writer]
-        ev = RoomEvent(room.key, room.state, room.failure_code, room.failure_reason, chunks_done=len(w.done))
-        self.publish(w.engine, ev, progress_only=len(w.done) > 1)
+        self.publish(w.engine, self._writer_event(room, w), progress_only=len(w.done) > 1)
 
     def recv_state(self, room: RecvRoom, aux: bytes = b"") -> None:
         ev = RoomEvent(room.key, room.state, room.failure_code, room.failure_reason, aux=aux)

@@ -138,6 +138,9 @@ class PeerLink:
             self._close(self.session)
             self.session = None
         self._out.clear()
+        self._cancel_lazy()
+
+    def _cancel_lazy(self) -> None:
         if self._lazy is not None:
             self._lazy.cancel()
             self._lazy = None
@@ -161,9 +164,7 @@ class PeerLink:
             if session.closed:
                 return
             self._wake.clear()
-            if self._lazy is not None:
-                self._lazy.cancel()
-                self._lazy = None
+            self._cancel_lazy()
             msgs, self._out = self._out[:MAX_BATCH], self._out[MAX_BATCH:]
             if self._out:
                 self._wake.set()

@@ -99,6 +99,7 @@ def compute_ratios(s: Settings, points: Sequence[dict[str, Any]], verified: bool
         mixed[f"{ptp}->{dtp}"] = ratio(m, mp.get("same_tp_ref_gbps") if mp else None)
         pt = _median_gbps(points, f"per_token_tp{ptp}to{dtp}", ch, hc)
         per_token[f"{ptp}->{dtp}"] = ratio(m, pt)
+    cpu = {path: _median_cpu_per_gb(points, path, ch, hc) for path in ("raw_nixl", "kvxferd")}
     mixed_vals = [v for v in mixed.values() if v is not None]
     pt_vals = [v for v in per_token.values() if v is not None]
     out: dict[str, Any] = {
@@ -112,9 +113,8 @@ def compute_ratios(s: Settings, points: Sequence[dict[str, Any]], verified: bool
         "mixed_tp_over_same_tp_by_pair": mixed,
         "per_token_slowdown_by_pair": per_token,
         "blocking_over_kvxferd": ratio(_median_gbps(points, "blocking", ch, 1), kvx),
-        "cpu_s_per_gb": {path: _median_cpu_per_gb(points, path, ch, hc) for path in ("raw_nixl", "kvxferd")},
-        "kvxferd_cpu_over_raw_nixl": ratio(_median_cpu_per_gb(points, "kvxferd", ch, hc),
-                                           _median_cpu_per_gb(points, "raw_nixl", ch, hc)),
+        "cpu_s_per_gb": cpu,
+        "kvxferd_cpu_over_raw_nixl": ratio(cpu["kvxferd"], cpu["raw_nixl"]),
         "headline_runs": {
             path: [round(float(p["throughput_gbps"]), 4) for p in _all(points, path, ch, hc)]
             for path in ("raw_nixl", "kvxferd", "mooncake_tcp")

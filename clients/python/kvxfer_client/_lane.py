@@ -46,6 +46,29 @@ def _frame(name: str, call_id: int, timeout: float | None, req: Any) -> bytes:
     return REQUEST.pack(len(nb) + len(body), call_id, ms, len(nb)) + nb + body
 
 
+def _read_frame(sock: socket.socket, buf: bytearray) -> tuple[int, int, bytes]:
+    """The next reply frame on `sock` as (call id, status code, payload). `buf` keeps what arrived
+    beyond it; a closed connection raises ConnectionResetError."""
+    while True:
+        if len(buf) >= REPLY.size:
+            length, call_id, code = REPLY.unpack_from(buf)
+            end = REPLY.size + length
+            if len(buf) >= end:
+                payload = bytes(buf[REPLY.size:end])
+                del buf[:end]
+                return call_id, code, payload
+        data = sock.recv(1 << 16)
+        if not data:
+            raise ConnectionResetError("connection closed by the daemon")
+        buf += data
+
+
+async def _read_frame_async(reader: asyncio.StreamReader) -> tuple[int, int, bytes]:
+    """_read_frame for asyncio streams; a closed connection raises IncompleteReadError."""
+    length, call_id, code = REPLY.unpack(await reader.readexactly(REPLY.size))
+    return call_id, code, (await reader.readexactly(length) if length else b"")
+
+
 def _result(name: str, code: int, payload: bytes) -> Any:
     if code:
         raise KvxferError(_STATUS.get(code, grpc.StatusCode.UNKNOWN), payload.decode(errors="replace"))
@@ -97,28 +120,16 @@ class SyncLane:
             sock.sendall(_frame(name, call_id, timeout, req))
             buf = bytearray()
             while True:
-                while len(buf) < REPLY.size:
-                    buf += self._recv(sock)
-                length, got_id, code = REPLY.unpack_from(buf)
-                while len(buf) < REPLY.size + length:
-                    buf += self._recv(sock)
+                got_id, code, payload = _read_frame(sock, buf)
                 if got_id == call_id:
-                    break
-                del buf[: REPLY.size + length]  # cannot happen (one call at a time); never misread
+                    break  # another id cannot happen (one call at a time); never misread
         except TimeoutError:
             self._drop(sock)  # its reply may still come: this connection is out of step now
             raise KvxferError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{name}: no reply within {timeout} s") from None
         except OSError as exc:
             self._drop(sock)
             raise KvxferError(grpc.StatusCode.UNAVAILABLE, f"{name}: the daemon's lane closed: {exc}") from None
-        return _result(name, code, bytes(buf[REPLY.size : REPLY.size + length]))
-
-    @staticmethod
-    def _recv(sock: socket.socket) -> bytes:
-        data = sock.recv(65536)
-        if not data:
-            raise ConnectionResetError("connection closed by the daemon")
-        return data
+        return _result(name, code, payload)
 
     def stream(self, name: str, req: Any, reply_cls: Any) -> LaneStream:
         """A server stream on a connection of its own (a watcher blocks its thread in recv)."""
@@ -165,36 +176,19 @@ class LaneStream:
         return self
 
     def __next__(self) -> Any:
-        code, payload = self._frame()
+        try:
+            _, code, payload = _read_frame(self._sock, self._buf)
+        except OSError as exc:  # the daemon closed the connection, or cancel() shut it
+            self._finish()
+            if self._cancelled:
+                raise StopIteration from None
+            raise KvxferError(grpc.StatusCode.UNAVAILABLE, f"the daemon's lane closed the stream: {exc}") from None
         if code == STREAM_MORE:
             return self._cls.FromString(payload)
         self._finish()
         if code == 0:
             raise StopIteration
         raise KvxferError(_STATUS.get(code, grpc.StatusCode.UNKNOWN), payload.decode(errors="replace"))
-
-    def _frame(self) -> tuple[int, bytes]:
-        buf = self._buf
-        while True:
-            if len(buf) >= REPLY.size:
-                length, _, code = REPLY.unpack_from(buf)
-                end = REPLY.size + length
-                if len(buf) >= end:
-                    payload = bytes(buf[REPLY.size:end])
-                    del buf[:end]
-                    return code, payload
-            try:
-                data = self._sock.recv(1 << 16)
-            except OSError as exc:
-                data, why = b"", f"the daemon's lane closed the stream: {exc}"
-            else:
-                why = "the daemon's lane closed the stream"
-            if not data:
-                self._finish()
-                if self._cancelled:
-                    raise StopIteration
-                raise KvxferError(grpc.StatusCode.UNAVAILABLE, why)
-            buf += data
 
     def cancel(self) -> None:
         self._cancelled = True
@@ -238,9 +232,7 @@ class AioLane:
         why = "the daemon's lane closed"
         try:
             while True:
-                head = await reader.readexactly(REPLY.size)
-                length, call_id, code = REPLY.unpack(head)
-                payload = await reader.readexactly(length) if length else b""
+                call_id, code, payload = await _read_frame_async(reader)
                 fut = self._pending.get(call_id)
                 if fut is not None and not fut.done():
                     fut.set_result((code, payload))
@@ -278,8 +270,7 @@ class AioLane:
             writer.write(_frame(name, 1, None, req))
             while True:
                 try:
-                    length, _, code = REPLY.unpack(await reader.readexactly(REPLY.size))
-                    payload = await reader.readexactly(length) if length else b""
+                    _, code, payload = await _read_frame_async(reader)
                 except (asyncio.IncompleteReadError, OSError) as exc:
                     raise KvxferError(grpc.StatusCode.UNAVAILABLE,
                                       f"the daemon's lane closed the stream: {exc!r}") from None
