@@ -555,7 +555,10 @@ class Fleet:
     ready: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.q = self.ctx.Queue()
+        # One queue per engine process: a queue's writers share a lock, and an engine killed with
+        # SIGKILL while its feeder thread holds it would stop every other engine's events (and,
+        # as their feeders join at exit, their exits) for good.
+        self.queues: dict[str, Any] = {}
         self.stops: dict[str, Any] = {}
         self.gos: dict[str, Any] = {}
 
@@ -564,7 +567,8 @@ class Fleet:
             target = run_prefill if job.role == "prefill" else run_decode
             self.stops[job.who] = self.ctx.Event()
             self.gos[job.who] = self.ctx.Event()
-            p = self.ctx.Process(target=target, args=(job, self.q, self.stops[job.who], self.gos[job.who]),
+            self.queues[job.who] = self.ctx.Queue()
+            p = self.ctx.Process(target=target, args=(job, self.queues[job.who], self.stops[job.who], self.gos[job.who]),
                                  name=job.who, daemon=True)
             p.start()
             self.procs[job.who] = p
@@ -576,17 +580,28 @@ class Fleet:
     def pump(self, timeout: float = 0.05) -> None:
         end = time.monotonic() + timeout
         while True:
-            try:
-                ev = self.q.get(timeout=max(0.0, end - time.monotonic()))
-            except queue.Empty:
+            got = 0
+            for q in list(self.queues.values()):
+                while True:
+                    try:
+                        ev = q.get_nowait()
+                    except queue.Empty:
+                        break
+                    got += 1
+                    self._record(ev)
+            if time.monotonic() >= end:
                 return
-            self.events.append(ev)
-            if ev["kind"] == "ready":
-                self.ready[ev["who"]] = ev
-            elif ev["kind"] == "exit":
-                self.exits[ev["who"]] = ev
-                if ev.get("error"):
-                    raise AssertionError(f"engine {ev['who']} failed:\n{ev['error']}")
+            if not got:
+                time.sleep(0.002)
+
+    def _record(self, ev: dict[str, Any]) -> None:
+        self.events.append(ev)
+        if ev["kind"] == "ready":
+            self.ready[ev["who"]] = ev
+        elif ev["kind"] == "exit":
+            self.exits[ev["who"]] = ev
+            if ev.get("error"):
+                raise AssertionError(f"engine {ev['who']} failed:\n{ev['error']}")
 
     def wait_for(self, pred: Callable[[], bool], timeout: float, what: str) -> None:
         end = time.monotonic() + timeout
