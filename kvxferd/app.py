@@ -48,7 +48,8 @@ from kvxferd.ports import Identity
 from kvxferd.registry import REGISTRY_HEALTH
 from kvxferd.registry_etcd import RegistryUnavailable, make_registry
 from kvxferd.servicer import EngineServicer, wrap_servicer
-from kvxferd.transport import FaultInjector, LocalTransport, NixlTransport, Transport
+from kvxferd.transport import FaultInjector, LocalTransport, Transport
+from kvxferd.transport_nixl import NixlTransport
 from kvxferd.workers import WorkerPool
 
 logger = logging.getLogger(__name__)

@@ -112,7 +112,7 @@ class FakePeer(peer_pb2_grpc.PeerServicer):
     in this process) and keeps a control stream alive; it never answers a bootstrap, never writes."""
 
     def __init__(self) -> None:
-        from kvxferd.transport import NixlTransport
+        from kvxferd.transport_nixl import NixlTransport
 
         self.transport = NixlTransport(f"kvx-fuzzpeer-{os.getpid()}", progress_thread=False)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))

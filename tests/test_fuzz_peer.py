@@ -80,7 +80,7 @@ class World:
 
 @pytest.fixture(scope="module")
 def world() -> Iterator[World]:
-    from kvxferd.transport import NixlTransport
+    from kvxferd.transport_nixl import NixlTransport
 
     wd = Path(tempfile.mkdtemp(prefix="kvxfp-"))
     secret = secrets.token_hex(24).encode()

@@ -84,7 +84,7 @@ def fleet() -> Iterator[Fleet]:
 
 @pytest.fixture(scope="module")
 def agent() -> Iterator[Any]:
-    from kvxferd.transport import NixlTransport
+    from kvxferd.transport_nixl import NixlTransport
 
     t = NixlTransport(f"kvx-auth-{os.getpid()}", progress_thread=False)
     yield t

@@ -402,7 +402,7 @@ def _peer_ids(d: DaemonProc) -> set[str]:
 def test_a_certificate_binds_the_daemon_id_its_holder_may_claim(fleet: Fleet, pki: Pki) -> None:
     """Holding a valid certificate of daemon "attacker", a caller cannot handshake, open a stream
     or heartbeat as daemon "D" (or as "pre", a daemon the target knows); as itself it can."""
-    from kvxferd.transport import NixlTransport
+    from kvxferd.transport_nixl import NixlTransport
 
     dec = fleet.d["dec"]
     agent = NixlTransport(f"kvx-sec-{os.getpid()}", progress_thread=False)

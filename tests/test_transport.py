@@ -20,14 +20,13 @@ import pytest
 from kvxferd.transport import (
     FaultInjector,
     LocalTransport,
-    NixlTransport,
     Transport,
     TransportError,
     XferHandle,
     XferState,
-    agent_name_from_metadata,
     coalesce,
 )
+from kvxferd.transport_nixl import NixlTransport, agent_name_from_metadata
 from tests.conftest import ROOT
 
 MiB = 1 << 20
@@ -482,8 +481,6 @@ def test_changed_metadata_of_a_live_peer_replaces_its_entry() -> None:
     and a GPU ring imported at its address later would be shadowed by the stale entry)."""
     import numpy as np
 
-    from kvxferd.transport import NixlTransport, TransportError, XferState
-
     a, b = NixlTransport("upd-a"), NixlTransport("upd-b")
     src = np.full(1 << 16, 7, dtype=np.uint8)
     first = np.zeros(1 << 16, dtype=np.uint8)
@@ -526,7 +523,7 @@ def test_daemon_transport_does_not_import_torch() -> None:
     of every daemon start on the CI machine); the daemon never needs torch for a host-memory agent."""
     code = (
         "import sys\n"
-        "from kvxferd.transport import NixlTransport\n"
+        "from kvxferd.transport_nixl import NixlTransport\n"
         "t = NixlTransport('no-torch-probe')\n"
         "t.close()\n"
         "print('torch' in sys.modules)\n"

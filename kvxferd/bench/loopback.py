@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--point-bytes", help="KV bytes at least per timed point (default 3GiB)")
     ap.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake pair")
     ap.add_argument("--no-reference", action="store_true", help="skip the kvxferd.bench.raw_nixl cross-check")
-    ap.add_argument("--profile", metavar="DIR", help="py-spy both daemons during the headline kvxferd point")
+    ap.add_argument("--profile", metavar="DIR", help="py-spy both daemons during the headline kvxferd point and the mixed-TP points at the headline chunk")
     ap.add_argument("--keep-logs", action="store_true", help="keep daemon and process logs (kept anyway on failure)")
     args = ap.parse_args(argv)
     s = build_settings(args)

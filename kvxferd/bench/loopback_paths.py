@@ -302,7 +302,8 @@ def run_sweep(bench: LoopbackBench, progress: Callable[[str, bool], None]) -> No
         for ptp, dtp in s.mixed_tp:
             g = bench.groups[(ptp, dtp)]
             progress(f"kvxferd TP {ptp}→{dtp} chunk {chunk} tok, {hc} in flight", False)
-            bench.kvx_point(g, chunk, hc, same_tp_ref_gbps=ref["throughput_gbps"])
+            bench.kvx_point(g, chunk, hc, same_tp_ref_gbps=ref["throughput_gbps"],
+                            profile=bool(bench.profile_dir) and chunk == s.headline_chunk)
             if chunk == s.headline_chunk:
                 progress(f"per-token descriptors TP {ptp}→{dtp}", False)
                 bench.raw_point("nixl", chunk, hc, f"per_token_tp{ptp}to{dtp}", per_token=(ptp, dtp))
