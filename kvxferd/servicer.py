@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 from google.protobuf.message_factory import GetMessageClass
 
+from kvxfer_client._common import MAX_BATCH_CHUNKS
 from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from kvxferd import errors
 from kvxferd.convert import chunk_spec, engine_spec, room_event_pb, room_key, room_status_pb, watermark_pb
@@ -210,8 +211,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         return reply
 
     async def EnqueueChunks(self, request: engine_pb2.EnqueueChunksRequest, context: Any) -> engine_pb2.EnqueueChunksReply:
-        if len(request.chunks) > 4096:
-            raise errors.InvalidArgument(f"at most 4096 chunks per call, got {len(request.chunks)}")
+        if len(request.chunks) > MAX_BATCH_CHUNKS:
+            raise errors.InvalidArgument(f"at most {MAX_BATCH_CHUNKS} chunks per call, got {len(request.chunks)}")
         return engine_pb2.EnqueueChunksReply(results=[self._enqueue_one(c) for c in request.chunks])
 
     async def EnqueueStream(

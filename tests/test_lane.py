@@ -241,3 +241,61 @@ def test_a_dropped_watch_frees_its_connection_and_the_daemons_stream(daemons: An
         while open_streams() != [0] and time.monotonic() < deadline:
             time.sleep(0.05)
         assert open_streams() == [0]
+
+
+@pytest.mark.parametrize("lane", [True, False], ids=["lane", "grpc"])
+def test_a_large_batched_enqueue_is_pipelined_on_the_lane_and_answers_per_chunk(
+    daemons: Any, lane: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """enqueue_many of 300 chunks: over the lane it leaves as pipelined calls of PIPELINE_PART
+    chunks (over gRPC, one call); either way each chunk gets its own answer at its own index, in
+    order, and the daemon holds exactly the accepted chunks."""
+    from kvxfer_client import Chunk
+    from kvxfer_client._common import MAX_BATCH_CHUNKS, PIPELINE_PART
+    from kvxfer_client._lane import SyncLane
+
+    d = daemons("batch", "--set", f"engine_lane={str(lane).lower()}")
+    calls: list[int] = []
+    real = SyncLane.call_pipelined
+
+    def counted(self: SyncLane, name: str, reqs: Any, timeout: float | None = None) -> list[Any]:
+        reqs = list(reqs)
+        calls.append(len(reqs))
+        return real(self, name, reqs, timeout)
+
+    monkeypatch.setattr(SyncLane, "call_pipelined", counted)
+    with PrefillSender(socket=d.socket, group="g", layout=LAYOUT, ring_bytes=8 << 20) as tx:
+        slots = [tx.acquire(1) for _ in range(300)]
+        chunks = [Chunk(room=100 + i // 30, chunk_id=i % 30, token_start=i % 30, num_tokens=1, slot=s)
+                  for i, s in enumerate(slots)]
+        # Two refusals in different parts: a chunk id its room already has, and a slot never acquired.
+        chunks[70] = Chunk(room=102, chunk_id=9, token_start=9, num_tokens=1, slot=slots[70])
+        bogus = type(slots[0])(offset=slots[-1].offset + (1 << 20), length=slots[0].length,
+                               chunk_bytes=slots[0].chunk_bytes)
+        chunks[250] = Chunk(room=108, chunk_id=10, token_start=10, num_tokens=1, slot=bogus)
+        res = tx.enqueue_many(chunks)
+        assert calls == ([-(-300 // PIPELINE_PART)] if lane else [])
+        assert len(res) == 300
+        bad = {i: r for i, r in enumerate(res) if r is not None}
+        assert set(bad) == {70, 250}, bad
+        assert bad[70].code == grpc.StatusCode.ALREADY_EXISTS
+        assert bad[250].code == grpc.StatusCode.INVALID_ARGUMENT and "not a slot this engine acquired" in bad[250].message
+        for room in range(100, 110):
+            assert tx.poll(room).state.name == "BOOTSTRAPPING"
+        # The daemon holds what it accepted (its slots are no longer ours to enqueue) and nothing it
+        # refused: the refused chunk's slot is still ours and fills room 108's gap.
+        again = tx.enqueue_many([chunks[0], chunks[299]])
+        assert all(r is not None and r.code == grpc.StatusCode.INVALID_ARGUMENT and "already enqueued" in r.message
+                   for r in again), again
+        assert tx.enqueue_many([Chunk(room=108, chunk_id=10, token_start=10, num_tokens=1, slot=slots[70])]) == [None]
+        # More than the daemon takes in one call is refused before anything is sent.
+        with pytest.raises(KvxferError) as exc:
+            tx.enqueue_many([chunks[0]] * (MAX_BATCH_CHUNKS + 1))
+        assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        if lane:
+            # A call the daemon refuses as a whole answers at its own place; the others still go.
+            ok = engine_pb2.EnqueueChunksRequest(chunks=[])
+            too_many = engine_pb2.EnqueueChunksRequest(chunks=[engine_pb2.EnqueueChunkRequest()] * (MAX_BATCH_CHUNKS + 1))
+            out = real(tx.stub.lane, "EnqueueChunks", [ok, too_many, ok], 10)
+            assert isinstance(out[0], engine_pb2.EnqueueChunksReply) and isinstance(out[2], engine_pb2.EnqueueChunksReply)
+            assert isinstance(out[1], KvxferError) and out[1].code == grpc.StatusCode.INVALID_ARGUMENT

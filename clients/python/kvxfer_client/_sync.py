@@ -10,6 +10,8 @@ from typing import Any
 import grpc
 
 from kvxfer_client._common import (
+    MAX_BATCH_CHUNKS,
+    PIPELINE_PART,
     RING_READY_TIMEOUT_S,
     Chunk,
     KvxferError,
@@ -276,10 +278,29 @@ class PrefillSender(_EngineClient):
         super().close(unregister)
 
     def enqueue_many(self, chunks: Sequence[Chunk]) -> list[KvxferError | None]:
-        """One RPC for many chunks; returns None per accepted chunk, else its error."""
-        reply = self._call(self.stub.EnqueueChunks, engine_pb2.EnqueueChunksRequest(
-            chunks=[chunk_request(self.engine_id, c) for c in chunks]))
-        return enqueue_results(reply)
+        """Many chunks at once; returns None per accepted chunk, else its error.
+
+        Over the lane, a large batch goes as several calls pipelined on one connection (the
+        daemon accepts the first part while the next is serialised), in order; over gRPC, as one
+        EnqueueChunks call. A part the daemon refuses as a whole (it is draining, say) gives each
+        of its chunks that error."""
+        lane = self.stub.lane
+        if len(chunks) > MAX_BATCH_CHUNKS:
+            raise KvxferError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"at most {MAX_BATCH_CHUNKS} chunks per call, got {len(chunks)}")
+        if not isinstance(lane, SyncLane) or len(chunks) < 2 * PIPELINE_PART:
+            reply = self._call(self.stub.EnqueueChunks, engine_pb2.EnqueueChunksRequest(
+                chunks=[chunk_request(self.engine_id, c) for c in chunks]))
+            return enqueue_results(reply)
+        eid = self.engine_id
+        parts = [chunks[i:i + PIPELINE_PART] for i in range(0, len(chunks), PIPELINE_PART)]
+        replies = lane.call_pipelined("EnqueueChunks", (
+            engine_pb2.EnqueueChunksRequest(chunks=[chunk_request(eid, c) for c in part]) for part in parts
+        ), self._timeout)
+        out: list[KvxferError | None] = []
+        for part, reply in zip(parts, replies, strict=True):
+            out += [reply] * len(part) if isinstance(reply, KvxferError) else enqueue_results(reply)
+        return out
 
     def send_chunk(
         self, room: int, chunk_id: int, token_start: int, num_tokens: int, data: bytes | memoryview,
