@@ -8,6 +8,7 @@ releases the engine's ring only once no slot or credit in it is held any more.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 import time
@@ -71,6 +72,13 @@ class Engine:
     @property
     def rank(self) -> int:
         return self.spec.parallel.tp_rank
+
+    @functools.cached_property
+    def token_bytes(self) -> int:
+        """Bytes one token of this engine's part takes in a slot (a part is linear in tokens):
+        computed once, not per chunk and per slot."""
+        p = self.spec.parallel
+        return part_bytes(self.spec.layout, p.tp_size, p.tp_rank, 1)
 
 
 def _ring_size(spec: EngineSpec) -> int:
@@ -330,8 +338,7 @@ class EngineTable:
             raise FailedPrecondition("zero-copy engines address chunks by pages; they have no slots")
         if not 1 <= num_tokens <= MAX_TOKENS:
             raise InvalidArgument(f"num_tokens must be 1..{MAX_TOKENS}, got {num_tokens}")
-        p = eng.spec.parallel
-        nbytes = part_bytes(eng.spec.layout, p.tp_size, p.tp_rank, num_tokens)
+        nbytes = eng.token_bytes * num_tokens
         if not eng.ring.alloc.fits_ever(nbytes):
             raise InvalidArgument(f"a chunk of {num_tokens} tokens needs {nbytes} B; the ring has {eng.ring.size} B")
         off = eng.ring.alloc.alloc(nbytes)

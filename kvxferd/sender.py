@@ -15,7 +15,7 @@ from kvxferd.domain import ChunkSpec, FailureCode, Role, RoomKey, RoomState, Zer
 from kvxferd.engines import MAX_TOKENS, Engine, EngineTable
 from kvxferd.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from kvxferd.events import EventHub, RoomClock, count_finished, deadline_reason
-from kvxferd.layout import KVLayout, part_bytes, plan, rank_heads
+from kvxferd.layout import KVLayout, plan, rank_heads
 from kvxferd.limits import MAX_GROUP, ROOMS_PER_ENGINE, ROOMS_PER_PEER, TOMBSTONES
 from kvxferd.metrics import Metrics
 from kvxferd.ports import Link
@@ -112,8 +112,7 @@ class SendSide:
                 f"slot at offset {chunk.slot.offset} is not a slot this engine acquired (or it was already enqueued)"
             )
         held = eng.ring.alloc.slot_length(chunk.slot.offset) or 0
-        p = eng.spec.parallel
-        need = part_bytes(eng.spec.layout, p.tp_size, p.tp_rank, chunk.num_tokens)
+        need = eng.token_bytes * chunk.num_tokens
         if chunk.slot.length != 0 and chunk.slot.length > held:
             raise InvalidArgument(f"slot length {chunk.slot.length} exceeds the acquired {held} B")
         if need > held:

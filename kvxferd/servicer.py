@@ -190,15 +190,21 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self._node.enqueue_chunk(request.engine_id, chunk_spec(request))
         return self._accepted(request)
 
-    def _enqueue_one(self, req: engine_pb2.EnqueueChunkRequest) -> engine_pb2.EnqueueChunkReply:
+    def _enqueue_one(self, req: engine_pb2.EnqueueChunkRequest,
+                     reply: engine_pb2.EnqueueChunkReply | None = None) -> engine_pb2.EnqueueChunkReply:
         try:
             self._node.enqueue_chunk(req.engine_id, chunk_spec(req))
         except errors.KvxferError as exc:
-            return engine_pb2.EnqueueChunkReply(code=status_of(exc).value[0], message=str(exc))
-        return self._accepted(req)
+            if reply is None:
+                reply = engine_pb2.EnqueueChunkReply()
+            reply.code, reply.message = status_of(exc).value[0], str(exc)
+            return reply
+        return self._accepted(req, reply)
 
-    def _accepted(self, req: engine_pb2.EnqueueChunkRequest) -> engine_pb2.EnqueueChunkReply:
-        reply = engine_pb2.EnqueueChunkReply(code=_CODE_OK)
+    def _accepted(self, req: engine_pb2.EnqueueChunkRequest,
+                  reply: engine_pb2.EnqueueChunkReply | None = None) -> engine_pb2.EnqueueChunkReply:
+        if reply is None:
+            reply = engine_pb2.EnqueueChunkReply(code=_CODE_OK)
         if req.next_tokens:
             # Best effort: no free slot (or any refusal) just leaves it unset, and the engine
             # falls back to AcquireSlot, which reports the reason.
@@ -213,7 +219,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def EnqueueChunks(self, request: engine_pb2.EnqueueChunksRequest, context: Any) -> engine_pb2.EnqueueChunksReply:
         if len(request.chunks) > MAX_BATCH_CHUNKS:
             raise errors.InvalidArgument(f"at most {MAX_BATCH_CHUNKS} chunks per call, got {len(request.chunks)}")
-        return engine_pb2.EnqueueChunksReply(results=[self._enqueue_one(c) for c in request.chunks])
+        reply = engine_pb2.EnqueueChunksReply()
+        add = reply.results.add
+        for c in request.chunks:
+            # Filled in place: results=[...] would copy each reply message into the list once more.
+            self._enqueue_one(c, add())
+        return reply
 
     async def EnqueueStream(
         self, request_iterator: AsyncIterator[engine_pb2.EnqueueChunkRequest], context: Any
