@@ -39,6 +39,7 @@ from kvxferd.lane import LANE_SUFFIX, LaneServer
 from kvxferd.memory import POOL_SUFFIX, HostPool
 from kvxferd.metrics import Metrics, start_metrics_server
 from kvxferd.node import Node
+from kvxferd.notif import join_notifs
 from kvxferd.owned import Busy, OwnerLock, check_dir, listen_failure_hint
 from kvxferd.peer_link import grpc_options
 from kvxferd.peer_servicer import PEER_UNARY, PeerServicer
@@ -243,7 +244,7 @@ async def _start(d: _Daemon, ready: Callable[[Ready], None] | None) -> None:
         raise StartupError(f"cannot start the NIXL agent: {exc}") from exc
     ident = Identity(config.daemon_id, instance + uuid.uuid4().hex[:8])
     d.node = node = Node(config, pool, metrics, ident)
-    d.workers = workers = WorkerPool(transport, loop, config.transfer_workers,
+    d.workers = workers = WorkerPool(transport, loop, config.transfer_workers, join_notifs=join_notifs,
                                      post_delay=delays.take if config.fault_injection else None)
     d.peers = peers = PeerManager(ident, config, transport, workers, metrics, node, node.spawn)
     node.attach(workers, peers.window, peers.connect, peers.all)

@@ -41,6 +41,8 @@ CONTROL_TIMEOUT_S = 5.0
 MAX_BATCH = PEER_BATCH_MSGS
 # How long a range release may wait for other messages to share its batch.
 LAZY_FLUSH_S = 0.002
+# Range releases queued together go as one message of at most this many ranges.
+MAX_RANGES_PER_MSG = 1024
 # Handshakes with one peer instance a Session Hello may be bound to (two sides may handshake at once).
 BINDINGS_KEPT = 4
 
@@ -108,6 +110,8 @@ class PeerLink:
         self._metrics_out = metrics.peer_batches.labels(direction="out")
         self._metrics_msgs = metrics.peer_messages.labels(direction="out")
         self._out: list[peer_pb2.PeerMsg] = []
+        # The range release still queued in _out that later ones join (None once a batch is taken).
+        self._open_release: Any = None
         self._wake = asyncio.Event()
         self._lazy: asyncio.TimerHandle | None = None
         creds = channel_credentials(config)
@@ -138,6 +142,7 @@ class PeerLink:
             self._close(self.session)
             self.session = None
         self._out.clear()
+        self._open_release = None
         self._cancel_lazy()
 
     def _cancel_lazy(self) -> None:
@@ -166,6 +171,7 @@ class PeerLink:
             self._wake.clear()
             self._cancel_lazy()
             msgs, self._out = self._out[:MAX_BATCH], self._out[MAX_BATCH:]
+            self._open_release = None  # the batch copies its messages: later ranges must not join them
             if self._out:
                 self._wake.set()
             try:
@@ -226,11 +232,24 @@ class PeerLink:
         self._push(peer_pb2.PeerMsg(reclaim=peer_pb2.Reclaim(ring=ring)))
 
     def send_release(self, ranges: Sequence[tuple[int, int]] = (), rooms: Sequence[RoomKey] = ()) -> None:
-        push = self._push if rooms else self._push_lazy
-        push(peer_pb2.PeerMsg(release=peer_pb2.RangeRelease(
-            ranges=[peer_pb2.Range(credit_id=c, offset=o) for c, o in ranges],
-            rooms=[room_key_pb(k) for k in rooms],
-        )))
+        if rooms:
+            self._push(peer_pb2.PeerMsg(release=peer_pb2.RangeRelease(
+                ranges=[peer_pb2.Range(credit_id=c, offset=o) for c, o in ranges],
+                rooms=[room_key_pb(k) for k in rooms],
+            )))
+            return
+        rel = self._open_release
+        if rel is not None and len(rel.ranges) + len(ranges) <= MAX_RANGES_PER_MSG:
+            # Joins the release still queued (its flush is already due): one message, and one
+            # dispatch on the other side, for every chunk consumed meanwhile.
+            add = rel.ranges.add
+            for c, o in ranges:
+                add(credit_id=c, offset=o)
+            return
+        msg = peer_pb2.PeerMsg(release=peer_pb2.RangeRelease(
+            ranges=[peer_pb2.Range(credit_id=c, offset=o) for c, o in ranges]))
+        self._open_release = msg.release
+        self._push_lazy(msg)
 
     def send_complete(self, room: RoomKey, reader: int, num_chunks: int, aux: bytes) -> None:
         self._push(peer_pb2.PeerMsg(complete=peer_pb2.Complete(

@@ -178,7 +178,7 @@ class Scheduler:
                                    for s, r in parts]),
                 on_done=self._on_done, local_mem=ring.mem, remote_mem=mem, local_device=ring.device,
                 remote_device=device, tag=(room, chunk, ranges), nbytes=sum(p[2] for p in pairs),
-                credits=[r.held for r in ranges],
+                credits=[r.held for r in ranges], merge_key=room.key,
             ))
             for r in ranges:
                 window.write_started(r)

@@ -11,11 +11,18 @@ WRITEs from different threads copy in parallel, and one room's chunks too. Over 
 thread is one core's copy speed (measured 6.1 GB/s on the 2-core VM; two threads with
 two UCX workers 9.4 GB/s; two threads sharing one UCX worker 5.9 GB/s at twice the CPU,
 spinning on its lock).
+
+Jobs that wait in one thread's queue together and carry the same merge key (the scheduler
+uses the room) go as one WRITE with one notification listing every part: under load, the
+parts of one chunk from several writer ranks (mixed TP) and consecutive chunks of one room
+cost one post, one completion and one notification instead of one each. Nothing waits to be
+merged: only what is already queued behind a busy thread is.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import ctypes
 import logging
@@ -41,6 +48,15 @@ _POLL_MAX_S = 0.0005
 # must cost ~nothing; NIXL has no blocking wait for notifications).
 _NOTIF_BUSY_S = 0.001
 _NOTIF_IDLE_S = 0.05
+# Merging: at most this many jobs in one WRITE (its notification lists every part of each), and
+# how far down a thread's queue a job looks for partners.
+_MERGE_MAX = 8
+_MERGE_SCAN = 64
+
+
+def _deliver(jobs: list[TransferJob], state: XferState, error: str) -> None:
+    for job in jobs:
+        job.on_done(job, state, error)
 
 
 _PR_SET_NAME = 15
@@ -74,14 +90,27 @@ class TransferJob:
     credits: Sequence[Any] = ()
     posted_at: float = 0.0
     finished_at: float = 0.0
-    _handle: Any = field(default=None, repr=False)
+    # Jobs with the same key (not None), remote and memory kinds that wait in one thread's queue
+    # together go as one WRITE (the scheduler uses the room: a failed WRITE fails only that room).
+    merge_key: Any = None
     _worker: int = field(default=-1, repr=False)  # the thread it was handed to
+
+
+@dataclass(eq=False)
+class _Posted:
+    """One WRITE in flight and the jobs it carries."""
+
+    handle: Any
+    jobs: list[TransferJob]
 
 
 class WorkerPool:
     def __init__(self, transport: Transport, loop: asyncio.AbstractEventLoop, workers: int,
-                 post_delay: Callable[[], float] | None = None) -> None:
+                 post_delay: Callable[[], float] | None = None,
+                 join_notifs: Callable[[list[bytes]], bytes] | None = None) -> None:
         self._transport = transport
+        # How the notifications of jobs merged into one WRITE become one (None: never merge).
+        self._join_notifs = join_notifs
         # Test-only fault hook: seconds to hold the next post (delays a WRITE past a revocation).
         self._post_delay = post_delay
         # Set by the decode side while it expects chunks: notifications are then polled fast.
@@ -184,39 +213,74 @@ class WorkerPool:
         self._blocking.shutdown(wait=False, cancel_futures=True)
 
     def _report(self, job: TransferJob, state: XferState, error: str) -> None:
+        self._report_all([job], state, error)
+
+    def _report_all(self, jobs: list[TransferJob], state: XferState, error: str) -> None:
+        """Accounts for finished jobs and hands them to the loop in one wake-up."""
+        now = time.monotonic()
         with self._lock:
-            self._in_flight -= 1
-            if job._worker >= 0:
-                self._load[job._worker] -= 1
-                job._worker = -1
-            n = self._posted.get(job.remote, 0) - 1
-            if n > 0:
-                self._posted[job.remote] = n
-            else:
-                self._posted.pop(job.remote, None)
-        job.finished_at = time.monotonic()
+            for job in jobs:
+                self._in_flight -= 1
+                if job._worker >= 0:
+                    self._load[job._worker] -= 1
+                    job._worker = -1
+                n = self._posted.get(job.remote, 0) - 1
+                if n > 0:
+                    self._posted[job.remote] = n
+                else:
+                    self._posted.pop(job.remote, None)
+                job.finished_at = now
         try:
-            self._loop.call_soon_threadsafe(job.on_done, job, state, error)
+            if len(jobs) == 1:
+                self._loop.call_soon_threadsafe(jobs[0].on_done, jobs[0], state, error)
+            else:
+                self._loop.call_soon_threadsafe(_deliver, jobs, state, error)
         except RuntimeError:
             # The loop is closed: the daemon is gone and nobody is waiting.
             pass
 
-    def _post(self, job: TransferJob) -> bool:
+    def _take_group(self, backlog: collections.deque[TransferJob]) -> list[TransferJob]:
+        """The oldest queued job and, if it may merge, the queued jobs that can share its WRITE
+        (in queue order); every other job keeps its place."""
+        first = backlog.popleft()
+        if first.merge_key is None or not first.remote or self._join_notifs is None:
+            return [first]
+        shape = (first.merge_key, first.remote, first.local_mem, first.remote_mem, first.local_device,
+                 first.remote_device)
+        group, keep = [first], []
+        for _ in range(min(len(backlog), _MERGE_SCAN)):
+            j = backlog.popleft()
+            if len(group) < _MERGE_MAX and shape == (j.merge_key, j.remote, j.local_mem, j.remote_mem,
+                                                      j.local_device, j.remote_device):
+                group.append(j)
+            else:
+                keep.append(j)
+        backlog.extendleft(reversed(keep))
+        return group
+
+    def _post(self, group: list[TransferJob]) -> _Posted | None:
         if self._post_delay is not None:
             delay = self._post_delay()
             if delay > 0:
-                logger.warning("fault injection: holding a WRITE to %s for %.2f s", job.remote or "self", delay)
+                logger.warning("fault injection: holding a WRITE to %s for %.2f s", group[0].remote or "self", delay)
                 time.sleep(delay)
-        job.posted_at = time.monotonic()
-        if any(c.revoked for c in job.credits):
-            # The decode side revoked the credit (ring released, session lost) after this WRITE
-            # was dispatched: its space may be about to be reused, so nothing is posted.
-            logger.warning("WRITE to %s not posted: destination credit revoked before the WRITE was posted",
-                           job.remote or "self")
-            self._report(job, XferState.ERROR, "destination credit revoked before the WRITE was posted")
-            return False
+        now = time.monotonic()
+        jobs = []
+        for job in group:
+            job.posted_at = now
+            if any(c.revoked for c in job.credits):
+                # The decode side revoked the credit (ring released, session lost) after this WRITE
+                # was dispatched: its space may be about to be reused, so nothing is posted.
+                logger.warning("WRITE to %s not posted: destination credit revoked before the WRITE was posted",
+                               job.remote or "self")
+                self._report(job, XferState.ERROR, "destination credit revoked before the WRITE was posted")
+            else:
+                jobs.append(job)
+        if not jobs:
+            return None
+        job = jobs[0]
         if not job.remote:
-            # Same-node path: source and destination are both mapped here.
+            # Same-node path: source and destination are both mapped here (never merged).
             try:
                 if job.local_mem == "DRAM" and job.remote_mem == "DRAM":
                     for src, dst, length in job.pairs:
@@ -227,91 +291,97 @@ class WorkerPool:
                 self._report(job, XferState.ERROR, f"local copy failed: {exc}")
             else:
                 self._report(job, XferState.DONE, "")
-            return False
+            return None
+        if len(jobs) == 1:
+            pairs, notif = job.pairs, job.notif
+        else:
+            assert self._join_notifs is not None
+            pairs = [p for j in jobs for p in j.pairs]
+            notif = self._join_notifs([j.notif for j in jobs])
         try:
-            job._handle = self._transport.post_write(
-                job.remote, job.pairs, job.notif,
+            handle = self._transport.post_write(
+                job.remote, pairs, notif,
                 local_mem=job.local_mem, remote_mem=job.remote_mem,
                 local_device=job.local_device, remote_device=job.remote_device,
             )
-            return True
         except Exception as exc:
             logger.warning("posting transfer to %s failed: %s", job.remote, exc)
-            self._report(job, XferState.ERROR, f"post failed: {exc}")
-            return False
+            self._report_all(jobs, XferState.ERROR, f"post failed: {exc}")
+            return None
+        return _Posted(handle, jobs)
 
     def _run(self, index: int) -> None:
         _name_os_thread()
         q = self._queues[index]
-        active: list[TransferJob] = []
+        backlog: collections.deque[TransferJob] = collections.deque()
+        active: list[_Posted] = []
         backoff = _POLL_MIN_S
         while True:
-            # Take everything queued; block only when nothing is in flight.
+            # Take everything queued (jobs that arrived together can share a WRITE); block only
+            # when nothing is queued or in flight.
             try:
-                job = q.get() if not active else q.get_nowait()
+                job = q.get() if not (active or backlog) else q.get_nowait()
                 while True:
                     if job is None:
+                        self._report_all(list(backlog), XferState.ERROR, "daemon stopped before the transfer was posted")
                         self._drain_on_stop(active)
                         return
-                    if self._post(job):
-                        active.append(job)
-                    # Report completions between posts, not only once the queue runs dry: a
-                    # worker fed faster than it copies (UCX over CMA copies inside the post)
-                    # otherwise held every finished job, and the source slots and rooms behind
-                    # it, until a lull (measured on loopback: ~2x lower throughput, and rooms
-                    # held for seconds whose WRITE did not finish inside its post).
-                    active, _ = self._reap(active)
+                    backlog.append(job)
                     job = q.get_nowait()
             except queue.Empty:
                 pass
+            if backlog:
+                posted = self._post(self._take_group(backlog))
+                if posted is not None:
+                    active.append(posted)
+                # Report completions between posts, not only once the queue runs dry: a worker
+                # fed faster than it copies (UCX over CMA copies inside the post) otherwise held
+                # every finished job, and the source slots and rooms behind it, until a lull
+                # (measured on loopback: ~2x lower throughput, and rooms held for seconds whose
+                # WRITE did not finish inside its post).
+                active, _ = self._reap(active)
+                continue
             active, progressed = self._reap(active)
             if active:
                 backoff = _POLL_MIN_S if progressed else min(backoff * 2, _POLL_MAX_S)
                 time.sleep(backoff)
 
-    def _reap(self, active: list[TransferJob]) -> tuple[list[TransferJob], bool]:
-        """Checks every job in flight once, reports the finished ones; returns (still in flight, any finished)."""
-        still: list[TransferJob] = []
+    def _reap(self, active: list[_Posted]) -> tuple[list[_Posted], bool]:
+        """Checks every WRITE in flight once, reports the finished ones; returns (still in flight, any finished)."""
+        still: list[_Posted] = []
         progressed = False
-        for job in active:
-            try:
-                state = self._transport.check(job._handle)
-            except Exception as exc:
-                state = XferState.ERROR
-                logger.warning("checking transfer to %s failed: %s", job.remote, exc)
+        for p in active:
+            state = self._check(p)
             if state is XferState.PENDING:
-                still.append(job)
+                still.append(p)
                 continue
             progressed = True
-            self._release(job)
-            self._report(job, state, "" if state is XferState.DONE else "NIXL reported ERR")
+            self._release(p)
+            self._report_all(p.jobs, state, "" if state is XferState.DONE else "NIXL reported ERR")
         return still, progressed
 
-    def _release(self, job: TransferJob) -> None:
+    def _check(self, p: _Posted) -> XferState:
         try:
-            self._transport.release(job._handle)
+            return self._transport.check(p.handle)
+        except Exception as exc:
+            logger.warning("checking transfer to %s failed: %s", p.jobs[0].remote, exc)
+            return XferState.ERROR
+
+    def _release(self, p: _Posted) -> None:
+        try:
+            self._transport.release(p.handle)
         except Exception as exc:
             logger.debug("release of transfer handle failed: %s", exc)
 
-    def _drain_on_stop(self, active: list[TransferJob]) -> None:
+    def _drain_on_stop(self, active: list[_Posted]) -> None:
         # Finish what was posted (the bytes are already moving); bounded wait.
         deadline = time.monotonic() + 5.0
         while active and time.monotonic() < deadline:
-            still = []
-            for job in active:
-                try:
-                    state = self._transport.check(job._handle)
-                except Exception:
-                    state = XferState.ERROR
-                if state is XferState.PENDING:
-                    still.append(job)
-                else:
-                    self._release(job)
-                    self._report(job, state, "")
-            active[:] = still
-            time.sleep(_POLL_MAX_S)
-        for job in active:
-            self._report(job, XferState.ERROR, "daemon stopped before the transfer finished")
+            active, _ = self._reap(active)
+            if active:
+                time.sleep(_POLL_MAX_S)
+        for p in active:
+            self._report_all(p.jobs, XferState.ERROR, "daemon stopped before the transfer finished")
 
     def _poll_notifs(self, handler: Callable[[list[tuple[str, bytes]]], None]) -> None:
         _name_os_thread()

@@ -8,7 +8,7 @@ from typing import Any
 from kvxferd.config import Config
 from kvxferd.domain import FailureCode, RoomKey
 from kvxferd.metrics import Metrics
-from kvxferd.peer_link import LAZY_FLUSH_S, PeerLink, Session
+from kvxferd.peer_link import LAZY_FLUSH_S, MAX_RANGES_PER_MSG, PeerLink, Session
 
 
 async def _link() -> tuple[PeerLink, list[Any]]:
@@ -32,8 +32,19 @@ async def test_range_releases_share_one_batch() -> None:
         await asyncio.sleep(0)
         assert batches == [], "a range release left before its flush delay"
         await asyncio.sleep(LAZY_FLUSH_S * 5)
-        assert len(batches) == 1 and len(batches[0].msgs) == 10
-        assert [m.release.ranges[0].offset for m in batches[0].msgs] == [i * 4096 for i in range(10)]
+        # One batch, and in it one message naming the ten ranges in order.
+        assert len(batches) == 1 and len(batches[0].msgs) == 1
+        assert [r.offset for r in batches[0].msgs[0].release.ranges] == [i * 4096 for i in range(10)]
+        # A release after that batch left starts a new message; the one sent is not touched.
+        link.send_release(ranges=[(2, 0)])
+        await asyncio.sleep(LAZY_FLUSH_S * 5)
+        assert len(batches) == 2 and [r.credit_id for r in batches[1].msgs[0].release.ranges] == [2]
+        assert len(batches[0].msgs[0].release.ranges) == 10
+        # A message holds at most MAX_RANGES_PER_MSG ranges.
+        for i in range(MAX_RANGES_PER_MSG + 5):
+            link.send_release(ranges=[(3, i)])
+        await asyncio.sleep(LAZY_FLUSH_S * 5)
+        assert [len(m.release.ranges) for m in batches[2].msgs] == [MAX_RANGES_PER_MSG, 5]
     finally:
         await link.close()
 

@@ -80,3 +80,52 @@ async def test_jobs_of_one_peer_go_to_idle_threads_and_run_at_once() -> None:
         for g in tr.gates.values():
             g.set()
         pool.stop()
+
+
+class _Credit:
+    def __init__(self, revoked: bool) -> None:
+        self.revoked = revoked
+
+
+@pytest.mark.asyncio
+async def test_jobs_of_one_room_queued_together_share_one_write() -> None:
+    """While a thread is busy, jobs queue behind it; when it comes back, those with the same merge
+    key (and peer) go as one WRITE whose notification joins theirs, in queue order; other jobs
+    keep their order, a job whose credit was revoked meanwhile is refused alone, and every job
+    gets its own result."""
+    loop = asyncio.get_running_loop()
+    tr = GatedTransport()
+    pool = WorkerPool(tr, loop, 1, join_notifs=b"|".join)  # type: ignore[arg-type]
+    pool.start()
+    done: dict[bytes, tuple[XferState, str]] = {}
+
+    def on_done(job: TransferJob, state: XferState, error: str) -> None:
+        assert threading.current_thread() is threading.main_thread()
+        done[job.notif] = (state, error)
+
+    def job(notif: bytes, key: object, peer: str = "peer-1", revoked: bool = False) -> TransferJob:
+        return TransferJob(peer, [(len(done) + 1, 2, 3)], notif, on_done, merge_key=key,
+                           credits=[_Credit(revoked)])
+
+    try:
+        for gate in (b"a", b"b|c|f", b"d", b"e", b"g"):
+            tr.gates[gate] = threading.Event()
+        pool.submit(job(b"a", "r1"))
+        assert await loop.run_in_executor(None, tr.entered.acquire, True, 10)  # the thread is inside a's post
+        for j in (job(b"b", "r2"), job(b"c", "r2"), job(b"d", "r3"), job(b"x", "r2", revoked=True),
+                  job(b"e", "r2", peer="peer-2"), job(b"f", "r2"), job(b"g", None)):
+            pool.submit(j)
+        for gate in tr.gates.values():
+            gate.set()
+        while len(done) < 8:
+            await asyncio.sleep(0.005)
+        # One WRITE for b, c and f (room r2, peer-1); d, e (another peer) and g (no key) alone.
+        assert list(tr.posted_by) == [b"a", b"b|c|f", b"d", b"e", b"g"]
+        assert {n: s for n, (s, _) in done.items()} == {
+            **dict.fromkeys([b"a", b"b", b"c", b"d", b"e", b"f", b"g"], XferState.DONE), b"x": XferState.ERROR}
+        assert "revoked" in done[b"x"][1]
+        assert pool.in_flight == 0
+    finally:
+        for g in tr.gates.values():
+            g.set()
+        pool.stop()
