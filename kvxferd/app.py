@@ -244,7 +244,8 @@ async def _start(d: _Daemon, ready: Callable[[Ready], None] | None) -> None:
         raise StartupError(f"cannot start the NIXL agent: {exc}") from exc
     ident = Identity(config.daemon_id, instance + uuid.uuid4().hex[:8])
     d.node = node = Node(config, pool, metrics, ident)
-    d.workers = workers = WorkerPool(transport, loop, config.transfer_workers, join_notifs=join_notifs,
+    d.workers = workers = WorkerPool(transport, loop, config.transfer_workers,
+                                     join_notifs=join_notifs if config.merge_writes else None,
                                      post_delay=delays.take if config.fault_injection else None)
     d.peers = peers = PeerManager(ident, config, transport, workers, metrics, node, node.spawn)
     node.attach(workers, peers.window, peers.connect, peers.all)

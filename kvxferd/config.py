@@ -114,6 +114,9 @@ class Config:
     # Transfer threads, each with its own UCX worker (kvxferd.workers); over CMA each copies at
     # about one core's speed. 0: a quarter of the CPUs this process may use, 2 to 8.
     workers: int = 0
+    # WRITEs of one room queued behind a busy transfer thread go as one (kvxferd.workers): one
+    # post and one notification for several small parts. Off: each chunk is its own WRITE.
+    merge_writes: bool = True
     # A reader ring is granted to a prefill daemon in windows of ring_size / credit_split bytes
     # (more windows on demand): 1 gives one peer the whole ring at once, larger values share a
     # decode engine's ring more evenly among many prefill daemons.

@@ -13,10 +13,13 @@ two UCX workers 9.4 GB/s; two threads sharing one UCX worker 5.9 GB/s at twice t
 spinning on its lock).
 
 Jobs that wait in one thread's queue together and carry the same merge key (the scheduler
-uses the room) go as one WRITE with one notification listing every part: under load, the
-parts of one chunk from several writer ranks (mixed TP) and consecutive chunks of one room
-cost one post, one completion and one notification instead of one each. Nothing waits to be
-merged: only what is already queued behind a busy thread is.
+uses the room) go as one WRITE, up to _MERGE_MAX jobs and _MERGE_MAX_BYTES, with one
+notification listing every part: one post, one completion and one notification instead of one
+each. Nothing waits to be merged: only what is already queued behind a busy thread is.
+Measured on the 16-core box, merging on and off interleaved (bench/results/merge-writes-h100box.json):
+TP 4->2 +40 % with 5 MiB chunks (1.25 MiB parts), +11 % with 20 MiB; TP 1->1 and 1->4 within
+the noise (jobs of 20 MiB never merge). Keying by chunk instead (only the parts of one chunk
+from different writers) merged almost nothing: partner parts go to different threads.
 """
 
 from __future__ import annotations
@@ -52,6 +55,10 @@ _NOTIF_IDLE_S = 0.05
 # how far down a thread's queue a job looks for partners.
 _MERGE_MAX = 8
 _MERGE_SCAN = 64
+# ... and of at most this many bytes: a WRITE's fixed cost (~0.1-0.2 ms of CPU over both sides) is
+# worth sharing for small parts, while a large one is better finished alone (its chunks land,
+# and their slots come back, without waiting for the copies merged behind them).
+_MERGE_MAX_BYTES = 16 << 20
 
 
 def _deliver(jobs: list[TransferJob], state: XferState, error: str) -> None:
@@ -247,12 +254,13 @@ class WorkerPool:
             return [first]
         shape = (first.merge_key, first.remote, first.local_mem, first.remote_mem, first.local_device,
                  first.remote_device)
-        group, keep = [first], []
+        group, keep, nbytes = [first], [], first.nbytes
         for _ in range(min(len(backlog), _MERGE_SCAN)):
             j = backlog.popleft()
-            if len(group) < _MERGE_MAX and shape == (j.merge_key, j.remote, j.local_mem, j.remote_mem,
-                                                      j.local_device, j.remote_device):
+            if (len(group) < _MERGE_MAX and nbytes + j.nbytes <= _MERGE_MAX_BYTES
+                    and shape == (j.merge_key, j.remote, j.local_mem, j.remote_mem, j.local_device, j.remote_device)):
                 group.append(j)
+                nbytes += j.nbytes
             else:
                 keep.append(j)
         backlog.extendleft(reversed(keep))
