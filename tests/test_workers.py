@@ -103,26 +103,29 @@ async def test_jobs_of_one_room_queued_together_share_one_write() -> None:
         assert threading.current_thread() is threading.main_thread()
         done[job.notif] = (state, error)
 
-    def job(notif: bytes, key: object, peer: str = "peer-1", revoked: bool = False) -> TransferJob:
+    def job(notif: bytes, key: object, peer: str = "peer-1", revoked: bool = False, nbytes: int = 3) -> TransferJob:
         return TransferJob(peer, [(len(done) + 1, 2, 3)], notif, on_done, merge_key=key,
-                           credits=[_Credit(revoked)])
+                           credits=[_Credit(revoked)], nbytes=nbytes)
 
     try:
-        for gate in (b"a", b"b|c|f", b"d", b"e", b"g"):
+        for gate in (b"a", b"b|c|f", b"d", b"e", b"g", b"h", b"i"):
             tr.gates[gate] = threading.Event()
         pool.submit(job(b"a", "r1"))
         assert await loop.run_in_executor(None, tr.entered.acquire, True, 10)  # the thread is inside a's post
         for j in (job(b"b", "r2"), job(b"c", "r2"), job(b"d", "r3"), job(b"x", "r2", revoked=True),
-                  job(b"e", "r2", peer="peer-2"), job(b"f", "r2"), job(b"g", None)):
+                  job(b"e", "r2", peer="peer-2"), job(b"f", "r2"), job(b"g", None),
+                  job(b"h", "r4", nbytes=10 << 20), job(b"i", "r4", nbytes=10 << 20)):
             pool.submit(j)
         for gate in tr.gates.values():
             gate.set()
-        while len(done) < 8:
+        while len(done) < 10:
             await asyncio.sleep(0.005)
-        # One WRITE for b, c and f (room r2, peer-1); d, e (another peer) and g (no key) alone.
-        assert list(tr.posted_by) == [b"a", b"b|c|f", b"d", b"e", b"g"]
+        # One WRITE for b, c and f (room r2, peer-1); d, e (another peer), g (no key) alone, and
+        # h and i apart (together over the 16 MiB a merged WRITE may carry).
+        assert list(tr.posted_by) == [b"a", b"b|c|f", b"d", b"e", b"g", b"h", b"i"]
         assert {n: s for n, (s, _) in done.items()} == {
-            **dict.fromkeys([b"a", b"b", b"c", b"d", b"e", b"f", b"g"], XferState.DONE), b"x": XferState.ERROR}
+            **dict.fromkeys([b"a", b"b", b"c", b"d", b"e", b"f", b"g", b"h", b"i"], XferState.DONE),
+            b"x": XferState.ERROR}
         assert "revoked" in done[b"x"][1]
         assert pool.in_flight == 0
     finally:
