@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-tokens", help="chunk sizes to sweep, comma-separated (default 16,64,256)")
     ap.add_argument("--concurrency", help="rooms in flight to sweep (default 1,4,16,64)")
     ap.add_argument("--ring-bytes", help="ring per TP pair and side, also the raw window (default 768MiB)")
-    ap.add_argument("--point-bytes", help="KV bytes at least per timed point (default 3GiB)")
+    ap.add_argument("--point-bytes", help="KV bytes at least per timed point (default 8GiB)")
     ap.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake pair")
     ap.add_argument("--no-reference", action="store_true", help="skip the kvxferd.bench.raw_nixl cross-check")
     ap.add_argument("--profile", metavar="DIR", help="py-spy both daemons during the headline kvxferd point and the mixed-TP points at the headline chunk")
