@@ -331,7 +331,9 @@ class WorkerPool:
                 job = q.get() if not (active or backlog) else q.get_nowait()
                 while True:
                     if job is None:
-                        self._report_all(list(backlog), XferState.ERROR, "daemon stopped before the transfer was posted")
+                        if backlog:
+                            self._report_all(list(backlog), XferState.ERROR,
+                                             "daemon stopped before the transfer was posted")
                         self._drain_on_stop(active)
                         return
                     backlog.append(job)

@@ -113,29 +113,17 @@ class SyncLane:
         sock.close()
 
     def call(self, name: str, req: Any, timeout: float | None = None) -> Any:
-        sock = self._sock()
-        call_id = next(self._ids) & 0xFFFFFFFF
-        sock.settimeout(timeout)
-        try:
-            sock.sendall(_frame(name, call_id, timeout, req))
-            buf = bytearray()
-            while True:
-                got_id, code, payload = _read_frame(sock, buf)
-                if got_id == call_id:
-                    break  # another id cannot happen (one call at a time); never misread
-        except TimeoutError:
-            self._drop(sock)  # its reply may still come: this connection is out of step now
-            raise KvxferError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{name}: no reply within {timeout} s") from None
-        except OSError as exc:
-            self._drop(sock)
-            raise KvxferError(grpc.StatusCode.UNAVAILABLE, f"{name}: the daemon's lane closed: {exc}") from None
-        return _result(name, code, payload)
+        (out,) = self.call_pipelined(name, (req,), timeout)
+        if isinstance(out, KvxferError):
+            raise out
+        return out
 
     def call_pipelined(self, name: str, reqs: Iterable[Any], timeout: float | None = None) -> list[Any]:
         """Several calls of `name` on this thread's connection without waiting between them: each
         request leaves as soon as it is serialised, so the daemon works on one while the next is
         built (a batch costs max(client, daemon) rather than their sum). Returns, in order, each
-        call's reply or its KvxferError; a dead or stalled connection raises, as call() does."""
+        call's reply or its KvxferError; a stalled or dead connection raises KvxferError
+        (DEADLINE_EXCEEDED, UNAVAILABLE) and is dropped."""
         sock = self._sock()
         sock.settimeout(timeout)
         want: dict[int, int] = {}
@@ -151,14 +139,14 @@ class SyncLane:
                 got_id, code, payload = _read_frame(sock, buf)
                 i = want.pop(got_id, None)
                 if i is None:
-                    continue  # not ours (cannot happen: one thread per connection); never misread
+                    continue  # not ours (cannot happen: one thread, one connection); never misread
                 left -= 1
                 try:
                     out[i] = _result(name, code, payload)
                 except KvxferError as exc:
                     out[i] = exc
         except TimeoutError:
-            self._drop(sock)
+            self._drop(sock)  # its replies may still come: this connection is out of step now
             raise KvxferError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{name}: no reply within {timeout} s") from None
         except OSError as exc:
             self._drop(sock)
