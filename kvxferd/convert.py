@@ -80,16 +80,22 @@ def engine_spec(req: engine_pb2.RegisterEngineRequest) -> EngineSpec:
 
 
 def chunk_spec(req: engine_pb2.EnqueueChunkRequest) -> ChunkSpec:
+    # Per chunk on the enqueue path (a third of its cost): each field is read once, since every
+    # read of a protobuf field builds a Python object.
     if not req.HasField("room"):
         raise InvalidArgument("room is required")
-    if not req.HasField("slot") and not req.pages:
+    pages = req.pages
+    if pages:
+        if len(pages) > MAX_PAGES:
+            raise InvalidArgument(f"at most {MAX_PAGES} pages per chunk")
+        page_ids = tuple(pages)
+    elif not req.HasField("slot"):
         raise InvalidArgument("slot (or pages, for zero-copy engines) is required")
-    if len(req.pages) > MAX_PAGES:
-        raise InvalidArgument(f"at most {MAX_PAGES} pages per chunk")
-    return ChunkSpec(
-        room=room_key(req.room), chunk_id=req.chunk_id, token_start=req.token_start, num_tokens=req.num_tokens,
-        slot=SlotRef(req.slot.offset, req.slot.length), last=req.last, aux=bytes(req.aux), pages=tuple(req.pages),
-    )
+    else:
+        page_ids = ()
+    room, slot = req.room, req.slot
+    return ChunkSpec(RoomKey(room.id, room.generation), req.chunk_id, req.token_start, req.num_tokens,
+                     SlotRef(slot.offset, slot.length), req.last, req.aux, page_ids)
 
 
 def zero_copy_target(pb: peer_pb2.ZeroCopyTarget) -> ZeroCopyTarget:

@@ -35,7 +35,7 @@ class FailureCode(enum.IntEnum):
     SUPERSEDED = 8
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True, order=True, slots=True)
 class RoomKey:
     id: int
     generation: int = 0
@@ -73,13 +73,13 @@ class EngineSpec:
     zero_copy: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SlotRef:
     offset: int
     length: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ChunkSpec:
     """One prefill chunk as the engine enqueued it."""
 

@@ -66,7 +66,7 @@ class RoomBase:
         return True
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class OutChunk:
     """A prefill chunk handed over by one writer; owns its source slot until done."""
 
@@ -79,7 +79,7 @@ class OutChunk:
     slot_freed: bool = False
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class WriterState:
     engine: Engine
     chunks: dict[int, OutChunk] = field(default_factory=dict)

@@ -78,6 +78,17 @@ class SendSide:
                 raise InvalidArgument(f"room {key} belongs to prefill group {room.group!r}, not {group!r}")
         return room if room is not None else self._new_room(key, group)
 
+    def _admit_room(self, key: RoomKey, group: str, room: SendRoom | None) -> SendRoom:
+        """The room a chunk goes to when it is not the current generation of a room of its group:
+        a new room, a newer generation, or a refusal (draining, tombstoned, stale, other group)."""
+        if room is None or room.key.generation < key.generation:
+            if not self.engines.serving:
+                raise Unavailable("daemon is draining and accepts no new rooms")
+            dead = self._tombstones.get(key.id)
+            if dead is not None and dead[0] == key and dead[3] > time.monotonic():
+                raise FailedPrecondition(f"room {key} is FAILED ({dead[1].name}) on the decode side: {dead[2]}")
+        return self._room_for(key, group)
+
     def owes_chunks(self, eng: Engine) -> bool:
         """Does an unfinished room still wait for chunks from this engine's rank?"""
         for room in self.rooms.values():
@@ -107,14 +118,15 @@ class SendSide:
             return
         if chunk.pages:
             raise InvalidArgument("pages are only for zero-copy engines; this engine sends slots")
-        if chunk.slot.offset not in eng.acquired:
+        slot = chunk.slot
+        if slot.offset not in eng.acquired:
             raise InvalidArgument(
-                f"slot at offset {chunk.slot.offset} is not a slot this engine acquired (or it was already enqueued)"
+                f"slot at offset {slot.offset} is not a slot this engine acquired (or it was already enqueued)"
             )
-        held = eng.ring.alloc.slot_length(chunk.slot.offset) or 0
+        held = eng.ring.alloc.slot_length(slot.offset) or 0
         need = eng.token_bytes * chunk.num_tokens
-        if chunk.slot.length != 0 and chunk.slot.length > held:
-            raise InvalidArgument(f"slot length {chunk.slot.length} exceeds the acquired {held} B")
+        if slot.length > held:
+            raise InvalidArgument(f"slot length {slot.length} exceeds the acquired {held} B")
         if need > held:
             raise InvalidArgument(f"{chunk.num_tokens} tokens need {need} B but the slot holds {held} B")
 
@@ -125,13 +137,8 @@ class SendSide:
         if key.id not in eng.send_rooms:
             self.engines.limits.check(ROOMS_PER_ENGINE, len(eng.send_rooms), f" for engine {eng.id}")
         room = self.rooms.get(key.id)
-        if room is None or room.key.generation < key.generation:
-            if not self.engines.serving:
-                raise Unavailable("daemon is draining and accepts no new rooms")
-            dead = self._tombstones.get(key.id)
-            if dead is not None and dead[0] == key and dead[3] > time.monotonic():
-                raise FailedPrecondition(f"room {key} is FAILED ({dead[1].name}) on the decode side: {dead[2]}")
-        room = self._room_for(key, eng.spec.group)
+        if room is None or room.key.generation != key.generation or room.group != eng.spec.group:
+            room = self._admit_room(key, eng.spec.group, room)
         if room.finished:
             raise FailedPrecondition(
                 f"room {key} is {room.state.name}" + (f": {room.failure_reason}" if room.state is RoomState.FAILED else "")
@@ -141,29 +148,30 @@ class SendSide:
                 f"room {key}: tokens [{chunk.token_start}, {chunk.token_start + chunk.num_tokens}) "
                 f"exceed the room's {room.num_tokens} tokens"
             )
-        w = room.writers.get(eng.rank)
+        rank = eng.rank
+        w = room.writers.get(rank)
         if w is not None and w.engine is not eng:
-            raise FailedPrecondition(f"room {key}: rank {eng.rank} is already sending from another engine")
+            raise FailedPrecondition(f"room {key}: rank {rank} is already sending from another engine")
         if w is None:
             w = WriterState(eng)
         if chunk.chunk_id in w.chunks:
-            raise AlreadyExists(f"room {key}: chunk {chunk.chunk_id} was already enqueued by rank {eng.rank}")
+            raise AlreadyExists(f"room {key}: chunk {chunk.chunk_id} was already enqueued by rank {rank}")
         if w.last_id is not None and chunk.chunk_id > w.last_id:
             raise InvalidArgument(f"room {key}: chunk {chunk.chunk_id} comes after the last chunk {w.last_id}")
         if chunk.last and w.chunks and max(w.chunks) > chunk.chunk_id:
             raise InvalidArgument(f"room {key}: last chunk {chunk.chunk_id} precedes chunk {max(w.chunks)}")
         # Accepted: from here on the daemon owns the slot.
-        room.writers[eng.rank] = w
+        room.writers[rank] = w
         eng.send_rooms.add(key.id)
         eng.acquired.discard(chunk.slot.offset)
-        out = OutChunk(eng.rank, eng, chunk, slot_freed=eng.spec.zero_copy)
+        out = OutChunk(rank, eng, chunk, slot_freed=eng.spec.zero_copy)
         w.chunks[chunk.chunk_id] = out
         if chunk.last:
             w.last_id = chunk.chunk_id
             w.aux = chunk.aux
         if room.first_chunk_at is None:
             room.first_chunk_at = time.monotonic()
-        if room.bootstrapped and room.advance(RoomState.TRANSFERRING):
+        if room.bootstrapped and room.state < RoomState.TRANSFERRING and room.advance(RoomState.TRANSFERRING):
             self.hub.send_state(room)
         self.scheduler.submit(room, out)
         self.refresh()

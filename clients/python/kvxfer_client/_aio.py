@@ -28,6 +28,7 @@ from kvxfer_client._common import (
     aio_channel,
     bytes_tensor,
     chunk_request,
+    chunks_request,
     enqueue_results,
     export_ring,
     register_request,
@@ -256,8 +257,7 @@ class AsyncPrefillSender(_AsyncEngineClient):
         await super().close(unregister)
 
     async def enqueue_many(self, chunks: list[Chunk]) -> list[KvxferError | None]:
-        reply = await self._call(self.stub.EnqueueChunks, engine_pb2.EnqueueChunksRequest(
-            chunks=[chunk_request(self.engine_id, c) for c in chunks]))
+        reply = await self._call(self.stub.EnqueueChunks, chunks_request(self.engine_id, chunks))
         return enqueue_results(reply)
 
     async def send_chunk(

@@ -361,14 +361,33 @@ def room_pb(room: int, generation: int = 0) -> common_pb2.RoomKey:
     return common_pb2.RoomKey(id=room, generation=generation)
 
 
-def chunk_request(engine_id: str, c: Chunk) -> engine_pb2.EnqueueChunkRequest:
-    req = engine_pb2.EnqueueChunkRequest(
-        engine_id=engine_id, room=room_pb(c.room, c.generation), chunk_id=c.chunk_id, token_start=c.token_start,
-        num_tokens=c.num_tokens, last=c.last, aux=c.aux, pages=list(c.pages),
-    )
+def fill_chunk(req: engine_pb2.EnqueueChunkRequest, engine_id: str, c: Chunk) -> engine_pb2.EnqueueChunkRequest:
+    """Sets a request's fields from a chunk, in place: a batch's entries are filled where they
+    live (``batch.chunks.add()``), not built apart and copied in (half the client's cost a chunk)."""
+    req.engine_id = engine_id
+    req.chunk_id, req.token_start, req.num_tokens, req.last = c.chunk_id, c.token_start, c.num_tokens, c.last
+    room = req.room
+    room.id, room.generation = c.room, c.generation
+    if c.aux:
+        req.aux = c.aux
+    if c.pages:
+        req.pages.extend(c.pages)
     if c.slot is not None:
-        req.slot.CopyFrom(common_pb2.Slot(offset=c.slot.offset, length=c.slot.length))
+        slot = req.slot
+        slot.offset, slot.length = c.slot.offset, c.slot.length
     return req
+
+
+def chunk_request(engine_id: str, c: Chunk) -> engine_pb2.EnqueueChunkRequest:
+    return fill_chunk(engine_pb2.EnqueueChunkRequest(), engine_id, c)
+
+
+def chunks_request(engine_id: str, chunks: Sequence[Chunk]) -> engine_pb2.EnqueueChunksRequest:
+    batch = engine_pb2.EnqueueChunksRequest()
+    add = batch.chunks.add
+    for c in chunks:
+        fill_chunk(add(), engine_id, c)
+    return batch
 
 
 def _failure_name(code: int) -> str:

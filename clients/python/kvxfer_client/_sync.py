@@ -29,6 +29,7 @@ from kvxfer_client._common import (
     acquire_request,
     bytes_tensor,
     chunk_request,
+    chunks_request,
     enqueue_results,
     export_ring,
     register_request,
@@ -289,13 +290,12 @@ class PrefillSender(_EngineClient):
             raise KvxferError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"at most {MAX_BATCH_CHUNKS} chunks per call, got {len(chunks)}")
         if not isinstance(lane, SyncLane) or len(chunks) < 2 * PIPELINE_PART:
-            reply = self._call(self.stub.EnqueueChunks, engine_pb2.EnqueueChunksRequest(
-                chunks=[chunk_request(self.engine_id, c) for c in chunks]))
+            reply = self._call(self.stub.EnqueueChunks, chunks_request(self.engine_id, chunks))
             return enqueue_results(reply)
         eid = self.engine_id
         parts = [chunks[i:i + PIPELINE_PART] for i in range(0, len(chunks), PIPELINE_PART)]
         replies = lane.call_pipelined("EnqueueChunks", (
-            engine_pb2.EnqueueChunksRequest(chunks=[chunk_request(eid, c) for c in part]) for part in parts
+            chunks_request(eid, part) for part in parts
         ), self._timeout)
         out: list[KvxferError | None] = []
         for part, reply in zip(parts, replies, strict=True):
