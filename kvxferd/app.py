@@ -296,7 +296,8 @@ async def _start(d: _Daemon, ready: Callable[[Ready], None] | None) -> None:
         except (KeyError, PermissionError) as exc:
             raise StartupError(f"cannot give the socket to group {config.socket_group!r}: {exc}") from exc
     if config.engine_lane:
-        d.lane = LaneServer(config.socket + LANE_SUFFIX, *engine_servicer.lane_methods(), config.max_message_bytes)
+        unary, streams, waiting = engine_servicer.lane_methods()
+        d.lane = LaneServer(config.socket + LANE_SUFFIX, unary, streams, config.max_message_bytes, waiting)
         try:
             await d.lane.start(config.socket_mode, gid)
         except OSError as exc:

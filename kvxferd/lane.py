@@ -21,6 +21,11 @@ daemon one frame instead of a gRPC stream message, and the engine one read (meas
 
 Replies made in one turn of the event loop go out in one write: each write wakes the engine,
 and on a loaded node the writer pays for that wake-up inside the syscall.
+
+A unary call runs in the loop turn that read it, and the replies of what one read brought are
+written at its end; only calls that may wait (AcquireSlot) start as tasks. A task per call cost
+the daemon about 4-7 µs of CPU and two more loop turns before the reply left (2-core VM: unary
+back to back 11.9-12.5k -> 13.0-13.6k calls/s, p99 at 1000/s 324-343 -> 240-254 µs).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import asyncio
 import logging
 import struct
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from typing import Any
 
 import grpc
@@ -71,11 +76,14 @@ class LaneContext:
 
 class LaneServer:
     def __init__(self, path: str, methods: Mapping[str, tuple[Handler, Any]],
-                 streams: Mapping[str, tuple[StreamHandler, Any]], max_frame_bytes: int) -> None:
+                 streams: Mapping[str, tuple[StreamHandler, Any]], max_frame_bytes: int,
+                 waiting: frozenset[str] = frozenset()) -> None:
         """methods: name -> (bound servicer method, request message class); streams: the same for
-        server-streaming methods."""
+        server-streaming methods; waiting: the unary methods that may wait (for ring space, say),
+        served as tasks from the start, while the others run in the loop turn that read them."""
         self.path = path
         self._methods = dict(methods)
+        self._waiting = waiting
         self._streams = dict(streams)
         self._max_frame = max_frame_bytes
         self._server: asyncio.AbstractServer | None = None
@@ -147,6 +155,8 @@ class _LaneConnection(asyncio.Protocol):
             pos = end
             self._dispatch(call_id, timeout_ms, name, body)
         del buf[:pos]
+        if self._out:
+            self._flush()  # the replies of the calls just served, in one write, without another turn
 
     def _dispatch(self, call_id: int, timeout_ms: int, name: str, body: bytes) -> None:
         entry: tuple[Any, Any] | None = self._server._methods.get(name)
@@ -167,8 +177,24 @@ class _LaneConnection(asyncio.Protocol):
             self._reply(call_id, grpc.StatusCode.INVALID_ARGUMENT, f"{name}: the request does not parse".encode())
             return
         ctx = LaneContext(timeout_ms)
-        work = self._stream(call_id, handler, request, ctx) if streaming else self._unary(handler, request, ctx)
-        task = asyncio.ensure_future(self._serve(call_id, name, work))
+        if streaming:
+            self._track(asyncio.ensure_future(self._serve(call_id, name, self._stream(call_id, handler, request, ctx))))
+            return
+        if name in self._server._waiting:
+            self._track(asyncio.ensure_future(self._serve(call_id, name, self._unary(handler, request, ctx))))
+            return
+        # The other unary calls (EnqueueChunk, Watermark, ...) finish without waiting for anything:
+        # they run here, in the loop turn that read them. A task per call cost two more loop turns
+        # before the reply left, and on a loaded node each turn waits behind the other ready
+        # callbacks. Should one wait after all, it goes on in a task from where it stopped.
+        call = self._serve(call_id, name, self._unary(handler, request, ctx))
+        try:
+            waiting_on = call.send(None)
+        except StopIteration:
+            return
+        self._track(asyncio.ensure_future(_resume(call, waiting_on)))
+
+    def _track(self, task: asyncio.Task[None]) -> None:
         self._calls.add(task)
         task.add_done_callback(self._calls.discard)
 
@@ -208,5 +234,29 @@ class _LaneConnection(asyncio.Protocol):
 
     def _flush(self) -> None:
         out, self._out = self._out, []
-        if self._transport is not None and not self._transport.is_closing():
+        if out and self._transport is not None and not self._transport.is_closing():
             self._transport.write(b"".join(out))
+
+
+async def _resume(call: Coroutine[Any, Any, None], waiting_on: Any) -> None:
+    """Drives, inside a task, a call that was started outside one and is waiting on `waiting_on`
+    (a future, or None after a bare yield). Cancelling the task cancels the call where it waits."""
+    while True:
+        try:
+            if waiting_on is None:
+                await asyncio.sleep(0)
+            else:
+                # The call's own await marked the future as yielded to a task; as a task's step
+                # would, clear the mark so that this await can yield it again.
+                waiting_on._asyncio_future_blocking = False
+                await waiting_on
+        except BaseException as exc:  # CancelledError included: the call sees it where it waits
+            try:
+                waiting_on = call.throw(exc)
+            except StopIteration:
+                return
+            continue
+        try:
+            waiting_on = call.send(None)
+        except StopIteration:
+            return

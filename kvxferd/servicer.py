@@ -115,14 +115,14 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self._pending = PendingRegistrations()
         wrap_servicer(self, "Engine", metrics, self.UNARY)
 
-    def lane_methods(self) -> tuple[dict[str, tuple[Any, Any]], dict[str, tuple[Any, Any]]]:
+    def lane_methods(self) -> tuple[dict[str, tuple[Any, Any]], dict[str, tuple[Any, Any]], frozenset[str]]:
         """What kvxferd.lane serves, each with its request class: every unary call but
         RegisterEngine (which hands out the lane), and the WatchRooms stream (a landed chunk is
-        an event)."""
+        an event); and which unary calls may wait (AcquireSlot, for ring space)."""
         service = engine_pb2.DESCRIPTOR.services_by_name["Engine"]
         unary = {name: (getattr(self, name), GetMessageClass(service.methods_by_name[name].input_type))
                  for name in self.UNARY if name != "RegisterEngine"}
-        return unary, {"WatchRooms": (self.WatchRooms, engine_pb2.WatchRoomsRequest)}
+        return unary, {"WatchRooms": (self.WatchRooms, engine_pb2.WatchRoomsRequest)}, frozenset({"AcquireSlot"})
 
     async def RegisterEngine(self, request: engine_pb2.RegisterEngineRequest, context: Any) -> engine_pb2.RegisterEngineReply:
         spec = engine_spec(request)
