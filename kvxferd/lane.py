@@ -180,14 +180,14 @@ class _LaneConnection(asyncio.Protocol):
         if streaming:
             self._track(asyncio.ensure_future(self._serve(call_id, name, self._stream(call_id, handler, request, ctx))))
             return
+        call = self._serve(call_id, name, self._unary(handler, request, ctx))
         if name in self._server._waiting:
-            self._track(asyncio.ensure_future(self._serve(call_id, name, self._unary(handler, request, ctx))))
+            self._track(asyncio.ensure_future(call))
             return
         # The other unary calls (EnqueueChunk, Watermark, ...) finish without waiting for anything:
         # they run here, in the loop turn that read them. A task per call cost two more loop turns
         # before the reply left, and on a loaded node each turn waits behind the other ready
         # callbacks. Should one wait after all, it goes on in a task from where it stopped.
-        call = self._serve(call_id, name, self._unary(handler, request, ctx))
         try:
             waiting_on = call.send(None)
         except StopIteration:

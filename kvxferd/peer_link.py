@@ -232,22 +232,21 @@ class PeerLink:
         self._push(peer_pb2.PeerMsg(reclaim=peer_pb2.Reclaim(ring=ring)))
 
     def send_release(self, ranges: Sequence[tuple[int, int]] = (), rooms: Sequence[RoomKey] = ()) -> None:
-        if rooms:
-            self._push(peer_pb2.PeerMsg(release=peer_pb2.RangeRelease(
-                ranges=[peer_pb2.Range(credit_id=c, offset=o) for c, o in ranges],
-                rooms=[room_key_pb(k) for k in rooms],
-            )))
-            return
         rel = self._open_release
-        if rel is not None and len(rel.ranges) + len(ranges) <= MAX_RANGES_PER_MSG:
-            # Joins the release still queued (its flush is already due): one message, and one
-            # dispatch on the other side, for every chunk consumed meanwhile.
+        if not rooms and rel is not None and len(rel.ranges) + len(ranges) <= MAX_RANGES_PER_MSG:
+            # Joins the range release still queued (its flush is already due): one message, and
+            # one dispatch on the other side, for every chunk consumed meanwhile.
             add = rel.ranges.add
             for c, o in ranges:
                 add(credit_id=c, offset=o)
             return
         msg = peer_pb2.PeerMsg(release=peer_pb2.RangeRelease(
-            ranges=[peer_pb2.Range(credit_id=c, offset=o) for c, o in ranges]))
+            ranges=[peer_pb2.Range(credit_id=c, offset=o) for c, o in ranges],
+            rooms=[room_key_pb(k) for k in rooms],
+        ))
+        if rooms:
+            self._push(msg)
+            return
         self._open_release = msg.release
         self._push_lazy(msg)
 

@@ -273,17 +273,17 @@ class WorkerPool:
                 logger.warning("fault injection: holding a WRITE to %s for %.2f s", group[0].remote or "self", delay)
                 time.sleep(delay)
         now = time.monotonic()
-        jobs = []
+        jobs: list[TransferJob] = []
+        revoked: list[TransferJob] = []
         for job in group:
             job.posted_at = now
-            if any(c.revoked for c in job.credits):
-                # The decode side revoked the credit (ring released, session lost) after this WRITE
-                # was dispatched: its space may be about to be reused, so nothing is posted.
-                logger.warning("WRITE to %s not posted: destination credit revoked before the WRITE was posted",
-                               job.remote or "self")
-                self._report(job, XferState.ERROR, "destination credit revoked before the WRITE was posted")
-            else:
-                jobs.append(job)
+            # The decode side revoked the credit (ring released, session lost) after this WRITE was
+            # dispatched: its space may be about to be reused, so nothing is posted.
+            (revoked if any(c.revoked for c in job.credits) else jobs).append(job)
+        if revoked:
+            logger.warning("%d WRITE(s) to %s not posted: destination credit revoked before the WRITE was posted",
+                           len(revoked), group[0].remote or "self")
+            self._report_all(revoked, XferState.ERROR, "destination credit revoked before the WRITE was posted")
         if not jobs:
             return None
         job = jobs[0]
