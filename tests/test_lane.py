@@ -300,3 +300,63 @@ def test_a_large_batched_enqueue_is_pipelined_on_the_lane_and_answers_per_chunk(
             out = real(tx.stub.lane, "EnqueueChunks", [ok, too_many, ok], 10)
             assert isinstance(out[0], engine_pb2.EnqueueChunksReply) and isinstance(out[2], engine_pb2.EnqueueChunksReply)
             assert isinstance(out[1], KvxferError) and out[1].code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("lane", [True, False], ids=["lane", "grpc"])
+def test_events_come_in_batches_and_watermarks_of_many_rooms_go_in_one_call(daemons: Any, lane: bool) -> None:
+    """Three rooms move over real NIXL while nobody reads the decode engine's events. batches()
+    then hands over what had arrived together (over the lane, every event at once; over gRPC, one
+    per list), the landed bytes are the sent ones, and watermark_many answers each room on its
+    own: a bad entry is refused with its own error and changes nothing, good ones take effect."""
+    flag = f"engine_lane={str(lane).lower()}"
+    pre, dec = daemons("wm-pre", "--set", flag), daemons("wm-dec", "--set", flag)
+    tokens = 8
+    token_bytes = 2 * LAYOUT.num_layers * LAYOUT.total_kv_heads * LAYOUT.head_dim * LAYOUT.dtype_bytes
+    with PrefillSender(socket=pre.socket, group="wp", layout=LAYOUT, ring_bytes=1 << 20) as tx, \
+            DecodeReceiver(socket=dec.socket, group="wd", layout=LAYOUT, ring_bytes=1 << 20) as rx:
+        stream = rx.watch()
+        time.sleep(0.3)  # subscribed
+        sent: dict[tuple[int, int], bytes] = {}
+        for room in (1, 2, 3):
+            rx.expect(room, pre.peer_address, "wp", 2 * tokens)
+        for room in (1, 2, 3):
+            deadline = time.monotonic() + 20
+            while rx.poll(room).state.name != "WAITING_FOR_INPUT" and time.monotonic() < deadline:
+                time.sleep(0.02)
+            for cid in (0, 1):
+                data = os.urandom(tokens * token_bytes)
+                tx.send_chunk(room, cid, cid * tokens, tokens, data, last=cid == 1)
+                sent[(room, cid)] = data
+        for room in (1, 2, 3):
+            deadline = time.monotonic() + 20
+            while rx.poll(room).state.name != "SUCCESS" and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert rx.poll(room).state.name == "SUCCESS"
+        events: list[Any] = []
+        sizes: list[int] = []
+        for batch in stream.batches():
+            sizes.append(len(batch))
+            events += batch
+            if sum(e.state.name == "SUCCESS" for e in events) == 3:
+                break
+        stream.cancel()
+        landed = {(e.room, e.landed.chunk_id): e.landed for e in events if e.landed is not None}
+        assert set(landed) == set(sent)
+        for key, chunk in landed.items():
+            assert bytes(rx.read(chunk)) == sent[key], key
+        if lane:
+            assert sizes == [len(events)], sizes  # all had arrived: one list
+        else:
+            assert set(sizes) == {1}, sizes
+
+        res = rx.watermark_many([(1, [0, 1]), (2, [0]), (99, [0])])
+        assert res[:2] == [None, None], res
+        assert isinstance(res[2], KvxferError) and res[2].code == grpc.StatusCode.NOT_FOUND, res
+        # Room 2's second entry names chunk 0 again: refused whole, so chunk 1 is still unconsumed.
+        again = rx.watermark_many([(1, [0], 0), (2, [1, 0], 0), (3, [0, 1], 0)])
+        assert [e.code if e else None for e in again] == [
+            grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.ALREADY_EXISTS, None], again
+        rx.watermark(2, [1])
+        with pytest.raises(KvxferError) as twice:
+            rx.watermark(3, [1])
+        assert twice.value.code == grpc.StatusCode.ALREADY_EXISTS

@@ -266,55 +266,71 @@ class _DecodeEngine:
                 self._error(f"room {room} chunk {cid} head {g}: stamp mismatch")
         self.stamps_checked += 2 * self.heads.count
 
-    def _watch(self) -> None:
-        from kvxfer_client import KvxferError, RoomState
+    def _watermark(self, read: dict[int, list[int]]) -> None:
+        """Gives back what was read: every room's chunks in one call (one write each way)."""
+        if not read:
+            return
+        marks = list(read.items())
+        read.clear()
+        for (room, _), err in zip(marks, self.rx.watermark_many(marks), strict=True):
+            if err is not None:
+                self._error(f"room {room}: watermark failed: {err}")
 
+    def _watch(self) -> None:
         try:
-            for ev in self.rx.watch():
-                p = self.plans.get(ev.room)
-                if p is None:
-                    continue
-                if ev.landed is not None:
-                    c = ev.landed
-                    starts = np.cumsum((0, *p.chunks))
-                    if c.chunk_id >= len(p.chunks) or c.num_tokens != p.chunks[c.chunk_id] \
-                            or c.token_start != int(starts[c.chunk_id]):
-                        self._error(f"room {ev.room}: unexpected landed chunk {c}")
-                    else:
-                        self._check(ev.room, p, c.chunk_id, self.rx.read(c), c.num_tokens)
-                    try:
-                        self.rx.watermark(ev.room, [c.chunk_id])
-                    except KvxferError as exc:
-                        self._error(f"room {ev.room}: watermark failed: {exc}")
-                    self.landed.setdefault(ev.room, set()).add(c.chunk_id)
-                if ev.state is RoomState.WAITING_FOR_INPUT:
-                    with self.cond:
-                        self.boot.add(ev.room)
-                        self.cond.notify_all()
-                elif ev.state in (RoomState.SUCCESS, RoomState.FAILED):
-                    now = time.monotonic()
-                    if ev.room in self.done:
-                        continue
-                    if ev.state is RoomState.SUCCESS:
-                        state = "SUCCESS"
-                        if len(self.landed.get(ev.room, ())) != len(p.chunks):
-                            self._error(f"room {ev.room}: SUCCESS with {len(self.landed.get(ev.room, ()))}"
-                                        f"/{len(p.chunks)} chunks seen")
-                        if ev.aux != b"aux-%d" % ev.room:
-                            self._error(f"room {ev.room}: aux {ev.aux!r}")
-                    else:
-                        state = f"FAILED {ev.failure_code}: {ev.failure_reason}"
-                    try:
-                        self.rx.release(ev.room)
-                    except KvxferError:
-                        pass
-                    with self.cond:
-                        self.done[ev.room] = (now, state)
-                        self.boot.add(ev.room)
-                        self.cond.notify_all()
+            for batch in self.rx.watch().batches():
+                # Chunks read from the ring, watermarked once per batch of events (as an engine
+                # that consumes what one wake-up brought), before any of their rooms is released.
+                read: dict[int, list[int]] = {}
+                for ev in batch:
+                    self._event(ev, read)
+                self._watermark(read)
         except Exception as exc:
             with self.cond:
                 self.watch_error = f"watch stream ended: {exc!r}"
+                self.cond.notify_all()
+
+    def _event(self, ev: Any, read: dict[int, list[int]]) -> None:
+        from kvxfer_client import KvxferError, RoomState
+
+        p = self.plans.get(ev.room)
+        if p is None:
+            return
+        if ev.landed is not None:
+            c = ev.landed
+            starts = np.cumsum((0, *p.chunks))
+            if c.chunk_id >= len(p.chunks) or c.num_tokens != p.chunks[c.chunk_id] \
+                    or c.token_start != int(starts[c.chunk_id]):
+                self._error(f"room {ev.room}: unexpected landed chunk {c}")
+            else:
+                self._check(ev.room, p, c.chunk_id, self.rx.read(c), c.num_tokens)
+            read.setdefault(ev.room, []).append(c.chunk_id)
+            self.landed.setdefault(ev.room, set()).add(c.chunk_id)
+        if ev.state is RoomState.WAITING_FOR_INPUT:
+            with self.cond:
+                self.boot.add(ev.room)
+                self.cond.notify_all()
+        elif ev.state in (RoomState.SUCCESS, RoomState.FAILED):
+            now = time.monotonic()
+            if ev.room in self.done:
+                return
+            if ev.state is RoomState.SUCCESS:
+                state = "SUCCESS"
+                if len(self.landed.get(ev.room, ())) != len(p.chunks):
+                    self._error(f"room {ev.room}: SUCCESS with {len(self.landed.get(ev.room, ()))}"
+                                f"/{len(p.chunks)} chunks seen")
+                if ev.aux != b"aux-%d" % ev.room:
+                    self._error(f"room {ev.room}: aux {ev.aux!r}")
+            else:
+                state = f"FAILED {ev.failure_code}: {ev.failure_reason}"
+            self._watermark(read)  # what was read goes back before the room is released
+            try:
+                self.rx.release(ev.room)
+            except KvxferError:
+                pass
+            with self.cond:
+                self.done[ev.room] = (now, state)
+                self.boot.add(ev.room)
                 self.cond.notify_all()
 
     def expect(self, spec: RunSpec, prefill_address: str, prefill_group: str) -> dict[str, Any]:

@@ -297,6 +297,20 @@ class AsyncDecodeReceiver(_AsyncEngineClient):
     async def watermark(self, room: int, chunk_ids: Iterable[int], generation: int = 0) -> None:
         await self._call(self.stub.Watermark, watermark_request(self.engine_id, room, chunk_ids, generation))
 
+    async def watermark_many(self, marks: Sequence[tuple[int, Iterable[int]] | tuple[int, Iterable[int], int]]
+                             ) -> list[KvxferError | None]:
+        """Watermarks of several rooms at once (pipelined on the lane); None per accepted entry,
+        else its error, in order (see the blocking client's watermark_many)."""
+
+        async def one(req: engine_pb2.WatermarkRequest) -> KvxferError | None:
+            try:
+                await self._call(self.stub.Watermark, req)
+            except KvxferError as exc:
+                return exc
+            return None
+
+        return list(await asyncio.gather(*(one(watermark_request(self.engine_id, *m)) for m in marks)))
+
     async def receive(
         self, room: int, timeout: float = 60.0, generation: int = 0
     ) -> tuple[dict[int, bytes], RoomStatus]:

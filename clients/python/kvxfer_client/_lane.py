@@ -118,20 +118,31 @@ class SyncLane:
             raise out
         return out
 
-    def call_pipelined(self, name: str, reqs: Iterable[Any], timeout: float | None = None) -> list[Any]:
+    def call_pipelined(self, name: str, reqs: Iterable[Any], timeout: float | None = None,
+                       one_write: bool = False) -> list[Any]:
         """Several calls of `name` on this thread's connection without waiting between them: each
         request leaves as soon as it is serialised, so the daemon works on one while the next is
         built (a batch costs max(client, daemon) rather than their sum). Returns, in order, each
         call's reply or its KvxferError; a stalled or dead connection raises KvxferError
-        (DEADLINE_EXCEEDED, UNAVAILABLE) and is dropped."""
+        (DEADLINE_EXCEEDED, UNAVAILABLE) and is dropped.
+
+        one_write: small requests leave together in one write instead, so the daemon reads them
+        in one wake-up and answers them in one write."""
         sock = self._sock()
         sock.settimeout(timeout)
         want: dict[int, int] = {}
+        held: list[bytes] = []
         try:
             for req in reqs:
                 call_id = next(self._ids) & 0xFFFFFFFF
                 want[call_id] = len(want)
-                sock.sendall(_frame(name, call_id, timeout, req))
+                frame = _frame(name, call_id, timeout, req)
+                if one_write:
+                    held.append(frame)
+                else:
+                    sock.sendall(frame)
+            if held:
+                sock.sendall(b"".join(held))
             out: list[Any] = [None] * len(want)
             buf = bytearray()
             left = len(want)
@@ -211,6 +222,25 @@ class LaneStream:
         if code == 0:
             raise StopIteration
         raise KvxferError(_STATUS.get(code, grpc.StatusCode.UNKNOWN), payload.decode(errors="replace"))
+
+    def ready(self) -> bool:
+        """Is the next message already here (reading it will not block)?"""
+        if self._complete_frame():
+            return True
+        try:
+            data = self._sock.recv(1 << 16, socket.MSG_DONTWAIT)
+        except OSError:  # nothing waiting, or the connection is gone: the next read tells which
+            return False
+        if not data:
+            return False  # closed: left for the next read to report
+        self._buf += data
+        return self._complete_frame()
+
+    def _complete_frame(self) -> bool:
+        if len(self._buf) < REPLY.size:
+            return False
+        length = REPLY.unpack_from(self._buf)[0]
+        return len(self._buf) >= REPLY.size + length
 
     def cancel(self) -> None:
         self._cancelled = True

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -67,6 +67,20 @@ class EventStream:
             if exc.code() == grpc.StatusCode.CANCELLED:
                 raise StopIteration from None
             raise wrap_rpc_error(exc) from None
+
+    def batches(self) -> Iterator[list[RoomEvent]]:
+        """The events in lists of those that had already arrived together, so that a consumer can
+        act once per list (one watermark_many for every chunk in it) instead of once per event.
+        Over gRPC (no lane) each list holds one event."""
+        ready = getattr(self._stream, "ready", None)
+        for ev in self:
+            batch = [ev]
+            while ready is not None and ready():
+                try:
+                    batch.append(next(self))
+                except StopIteration:
+                    break
+            yield batch
 
     def cancel(self) -> None:
         self._stream.cancel()
@@ -342,6 +356,26 @@ class DecodeReceiver(_EngineClient):
 
     def watermark(self, room: int, chunk_ids: Iterable[int], generation: int = 0) -> None:
         self._call(self.stub.Watermark, watermark_request(self.engine_id, room, chunk_ids, generation))
+
+    def watermark_many(self, marks: Sequence[tuple[int, Iterable[int]] | tuple[int, Iterable[int], int]]
+                       ) -> list[KvxferError | None]:
+        """Watermarks of several rooms, (room, chunk_ids) or (room, chunk_ids, generation) each:
+        over the lane they leave in one write and come back in one (one wake-up of the daemon for
+        all of them). Returns None per accepted entry, else its error, in order."""
+        eid = self.engine_id
+        reqs = [watermark_request(eid, *m) for m in marks]
+        lane = self.stub.lane
+        if isinstance(lane, SyncLane):
+            replies = lane.call_pipelined("Watermark", reqs, self._timeout, one_write=True)
+            return [r if isinstance(r, KvxferError) else None for r in replies]
+        out: list[KvxferError | None] = []
+        for req in reqs:
+            try:
+                self._call(self.stub.Watermark, req)
+                out.append(None)
+            except KvxferError as exc:
+                out.append(exc)
+        return out
 
     def receive(self, room: int, timeout: float = 60.0, generation: int = 0) -> tuple[dict[int, bytes], RoomStatus]:
         """Convenience: copy out every chunk as it lands, watermark it, until SUCCESS.
