@@ -4,32 +4,35 @@ One instance per TP rank. The rank registers with its node's daemon as a prefill
 engine, or both (``kv_both``), with its own heads: kvxferd slices heads between prefill and decode
 TP sizes, so a rank only ever handles its local heads.
 
-Loads run off the model's thread: a watcher thread follows the daemon's room events, scatters each
-chunk as it lands into the request's blocks (vLLM never touches a request's blocks while it waits
-for remote KV) and watermarks it. A finished or failed room is reported by the next
-``transfer_results`` call; a failed one goes to vLLM's load-failure path (``failed_recving``).
+Loads run off the model's thread: a watcher thread takes the daemon's room events in the lists
+they arrived in, scatters each chunk as it lands into the request's blocks (vLLM never touches a
+request's blocks while it waits for remote KV) and watermarks what one list brought in one call.
+A finished or failed room is reported by the next ``transfer_results`` call; a failed one goes to
+vLLM's load-failure path (``failed_recving``). Polling the rooms is only the safety net for a
+broken event stream.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
-from kvxfer_client._common import KvxferError, Landed, Layout, RoomState
+from kvxfer_client._common import KvxferError, Landed, Layout, RoomEvent, RoomState
 from kvxfer_client._sync import DecodeReceiver, PrefillSender
 from kvxfer_client.vllm import _paged
 from kvxfer_client.vllm._config import LoadSpec, SendChunk, Settings, StepPlan
 
 logger = logging.getLogger(__name__)
 
-# With no event for this long, the watcher polls every active room itself (a missed event or a
-# broken stream must never leave a request waiting). Short while loads are active: measured,
-# room events alone left loads waiting for the sweep (see the report's load times).
-_SWEEP_ACTIVE_S = 0.02
+# With no event for this long while loads are active, the watcher polls every active room itself:
+# the safety net for an event lost with a broken stream (a reconnected stream also starts a sweep).
+# Events carry what a load needs (the landed chunk, the room's end), so no load waits for it.
+_SWEEP_ACTIVE_S = 0.5
 _SWEEP_IDLE_S = 1.0
 
 
@@ -84,7 +87,8 @@ class ConnectorWorker:
         self._by_req: dict[str, int] = {}
         self._finished: list[_Load] = []
         self._stop = threading.Event()
-        self._wake = threading.Event()
+        # Room events in the lists they arrived in; None asks the watcher for a sweep.
+        self._events: queue.SimpleQueue[list[RoomEvent] | None] = queue.SimpleQueue()
         self._watcher: threading.Thread | None = None
         if self.rx is not None:
             self._watcher = threading.Thread(target=self._watch_loop, name="kvxfer-vllm-load", daemon=True)
@@ -139,8 +143,6 @@ class ConnectorWorker:
                           deadline_ms=self.settings.deadline_ms)
             except KvxferError as exc:
                 self._finish(ld, f"ExpectRoom failed: {exc}")
-        if plan.loads:
-            self._wake.set()
 
     def transfer_results(self, finished_req_ids: Iterable[str]) -> tuple[set[str], set[str]]:
         """(finished loads, failed loads): request ids; failed ones are in both sets."""
@@ -153,7 +155,7 @@ class ConnectorWorker:
             if ld is not None and not ld.finished and self.rx is not None:
                 ld.cancelled = True
                 self._quiet(self.rx.abort, ld.spec.room, "request finished on the decode engine")
-                self._wake.set()
+                self._events.put(None)  # the room's end is also pushed; a sweep costs little here
         with self._lock:
             done, self._finished = self._finished, []
         ok = {ld.spec.req_id for ld in done}
@@ -164,33 +166,96 @@ class ConnectorWorker:
         return ok, failed
 
     def _watch_loop(self) -> None:
+        """The one thread that touches loads: applies event lists, sweeps when told or when idle."""
         rx = self.rx
         assert rx is not None
         events = threading.Thread(target=self._event_loop, name="kvxfer-vllm-events", daemon=True)
         events.start()
-        active: list[_Load] = []
         while not self._stop.is_set():
-            self._wake.wait(_SWEEP_ACTIVE_S if active else _SWEEP_IDLE_S)
-            self._wake.clear()
+            with self._lock:
+                busy = any(not ld.finished for ld in self._loads.values())
+            try:
+                batch = self._events.get(timeout=_SWEEP_ACTIVE_S if busy else _SWEEP_IDLE_S)
+            except queue.Empty:
+                batch = None
+            if self._stop.is_set():
+                return
+            if batch is not None:
+                try:
+                    self._apply(rx, batch)
+                except Exception:  # the watcher must outlive any one list: the sweep picks up the rest
+                    logger.exception("applying room events failed; polling the loads instead")
+                    self._events.put(None)
+                continue
             with self._lock:
                 active = [ld for ld in self._loads.values() if not ld.finished]
             for ld in active:
                 self._advance(rx, ld)
 
     def _event_loop(self) -> None:
-        """Turns the daemon's pushed room events into wake-ups; re-opens the stream if it breaks."""
+        """Hands the daemon's pushed room events to the watcher; re-opens the stream if it breaks
+        (and asks for a sweep: events may have been lost meanwhile)."""
         rx = self.rx
         assert rx is not None
         while not self._stop.is_set():
             try:
-                for _ in rx.watch():
-                    self._wake.set()
+                for batch in rx.watch().batches():
+                    self._events.put(batch)
                     if self._stop.is_set():
                         return
             except KvxferError as exc:
                 logger.debug("room event stream ended: %s", exc)
-            self._wake.set()
+            self._events.put(None)
             self._stop.wait(0.2)
+
+    def _apply(self, rx: DecodeReceiver, batch: list[RoomEvent]) -> None:
+        """Scatters the chunks a list of events announces, watermarks them in one call, and ends
+        the loads whose room ended (after their chunks: the daemon sends a room's end last)."""
+        read: dict[int, list[int]] = {}
+        for ev in batch:
+            with self._lock:
+                ld = self._loads.get(ev.room)
+            if ld is None or ld.finished:
+                continue
+            c = ev.landed
+            if c is not None and c.chunk_id not in ld.done_chunks:
+                try:
+                    if not ld.cancelled:
+                        self._scatter(rx, ld.spec, c)
+                except Exception as exc:
+                    self._quiet(rx.abort, ev.room, f"decode load failed: {exc}")
+                    self._finish(ld, str(exc))
+                    continue
+                ld.done_chunks.add(c.chunk_id)
+                ld.tokens += c.num_tokens
+                read.setdefault(ev.room, []).append(c.chunk_id)
+            if ev.state is RoomState.FAILED:
+                self._finish(ld, f"{ev.failure_code}: {ev.failure_reason}")
+            elif ev.state is RoomState.SUCCESS:
+                if ld.tokens == ld.spec.num_tokens:
+                    self._finish(ld, "")
+                else:
+                    # Events were lost with a broken stream: the room's own status lists every
+                    # landed chunk (the second pass ends the load once nothing is fresh).
+                    self._advance(rx, ld)
+                    if not ld.finished:
+                        self._advance(rx, ld)
+        # Rooms that ended were released: their chunks need no watermark (nor could take one).
+        with self._lock:
+            marks = [(room, ids) for room, ids in read.items() if room in self._loads]
+        if not marks:
+            return
+        try:
+            errors = rx.watermark_many(marks)
+        except KvxferError as exc:  # the lane itself failed: every room of the call is affected
+            errors = [exc] * len(marks)
+        for (room, _), err in zip(marks, errors, strict=True):
+            if err is not None:
+                with self._lock:
+                    ld = self._loads.get(room)
+                if ld is not None:
+                    self._quiet(rx.abort, room, f"decode load failed: watermark: {err}")
+                    self._finish(ld, f"watermark failed: {err}")
 
     def _advance(self, rx: DecodeReceiver, ld: _Load) -> None:
         room = ld.spec.room
@@ -245,7 +310,7 @@ class ConnectorWorker:
 
     def close(self) -> None:
         self._stop.set()
-        self._wake.set()
+        self._events.put(None)
         for client in (self.tx, self.rx):
             if client is not None:
                 client.close()
