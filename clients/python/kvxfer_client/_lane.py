@@ -46,17 +46,24 @@ def _frame(name: str, call_id: int, timeout: float | None, req: Any) -> bytes:
     return REQUEST.pack(len(nb) + len(body), call_id, ms, len(nb)) + nb + body
 
 
+def _frame_end(buf: bytearray) -> int:
+    """Where the first reply frame in `buf` ends, or 0 while it is incomplete."""
+    if len(buf) < REPLY.size:
+        return 0
+    end = REPLY.size + REPLY.unpack_from(buf)[0]
+    return end if len(buf) >= end else 0
+
+
 def _read_frame(sock: socket.socket, buf: bytearray) -> tuple[int, int, bytes]:
     """The next reply frame on `sock` as (call id, status code, payload). `buf` keeps what arrived
     beyond it; a closed connection raises ConnectionResetError."""
     while True:
-        if len(buf) >= REPLY.size:
-            length, call_id, code = REPLY.unpack_from(buf)
-            end = REPLY.size + length
-            if len(buf) >= end:
-                payload = bytes(buf[REPLY.size:end])
-                del buf[:end]
-                return call_id, code, payload
+        end = _frame_end(buf)
+        if end:
+            _, call_id, code = REPLY.unpack_from(buf)
+            payload = bytes(buf[REPLY.size:end])
+            del buf[:end]
+            return call_id, code, payload
         data = sock.recv(1 << 16)
         if not data:
             raise ConnectionResetError("connection closed by the daemon")
@@ -225,7 +232,7 @@ class LaneStream:
 
     def ready(self) -> bool:
         """Is the next message already here (reading it will not block)?"""
-        if self._complete_frame():
+        if _frame_end(self._buf):
             return True
         try:
             data = self._sock.recv(1 << 16, socket.MSG_DONTWAIT)
@@ -234,13 +241,7 @@ class LaneStream:
         if not data:
             return False  # closed: left for the next read to report
         self._buf += data
-        return self._complete_frame()
-
-    def _complete_frame(self) -> bool:
-        if len(self._buf) < REPLY.size:
-            return False
-        length = REPLY.unpack_from(self._buf)[0]
-        return len(self._buf) >= REPLY.size + length
+        return bool(_frame_end(self._buf))
 
     def cancel(self) -> None:
         self._cancelled = True
