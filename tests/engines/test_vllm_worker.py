@@ -84,6 +84,15 @@ def test_decode_loader_fills_the_blocks_from_events_or_by_polling(daemons: Any, 
             streams = list(rx.rx.stub.lane._streams)
             assert len(streams) == 1
             streams[0].cancel()
+            # A slow ExpectRoom: sweeps (one per failed resubscription, every 0.2 s) run while the
+            # load is registered but the daemon does not know its room yet, and must leave it be.
+            expect = rx.rx.expect
+
+            def slow_expect(*args: Any, **kwargs: Any) -> Any:
+                time.sleep(0.6)
+                return expect(*args, **kwargs)
+
+            rx.rx.expect = slow_expect  # type: ignore[method-assign]
         n, src_blocks, dst_blocks = 40, (3, 5, 7), (1, 2, 6)
         room = 11 if events else 12
         settings = Settings(socket=pre.socket, group="vw")

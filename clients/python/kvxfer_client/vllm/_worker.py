@@ -64,6 +64,9 @@ class _Load:
     tokens: int = 0
     error: str = ""
     finished: bool = False
+    # Set once ExpectRoom returned: before that the daemon does not know the room, and a sweep's
+    # PollRoom would fail the load with NOT_FOUND (events name it only after ExpectRoom anyway).
+    expected: bool = False
     cancelled: bool = False
 
 
@@ -143,6 +146,8 @@ class ConnectorWorker:
                           deadline_ms=self.settings.deadline_ms)
             except KvxferError as exc:
                 self._finish(ld, f"ExpectRoom failed: {exc}")
+            else:
+                ld.expected = True
 
     def transfer_results(self, finished_req_ids: Iterable[str]) -> tuple[set[str], set[str]]:
         """(finished loads, failed loads): request ids; failed ones are in both sets."""
@@ -188,7 +193,7 @@ class ConnectorWorker:
                     self._events.put(None)
                 continue
             with self._lock:
-                active = [ld for ld in self._loads.values() if not ld.finished]
+                active = [ld for ld in self._loads.values() if ld.expected and not ld.finished]
             for ld in active:
                 self._advance(rx, ld)
 
