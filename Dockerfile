@@ -47,7 +47,7 @@ ENV PATH=/opt/kvxferd/bin:$PATH \
 USER 10001:10001
 WORKDIR /var/lib/kvxferd
 # 7471: kvxfer.v1.Peer (daemon <-> daemon); 9479: Prometheus /metrics.
-EXPOSE 7471 9479
+EXPOSE 7471 7472 9479
 # Asks the running daemon over its Unix socket (KVXFERD_SOCKET).
 HEALTHCHECK --interval=30s --timeout=10s --start-period=120s --retries=3 \
     CMD ["kvxferd", "status"]

@@ -42,7 +42,7 @@ from kvxferd.node import Node
 from kvxferd.notif import join_notifs
 from kvxferd.owned import Busy, OwnerLock, check_dir, listen_failure_hint
 from kvxferd.peer_link import grpc_options
-from kvxferd.peer_servicer import PEER_UNARY, PeerServicer
+from kvxferd.peer_servicer import PEER_UNARY, PeerServicer, WireServer
 from kvxferd.peers import PeerManager
 from kvxferd.pool_socket import PoolSocket
 from kvxferd.ports import Identity
@@ -76,6 +76,7 @@ class Ready:
     metrics_port: int
     engine_tcp: str
     pid: int
+    stream_address: str = ""
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
@@ -224,6 +225,7 @@ class _Daemon:
     servers: list[grpc.aio.Server] = field(default_factory=list)
     pool_socket: PoolSocket | None = None
     lane: LaneServer | None = None
+    wire: WireServer | None = None
     metrics_server: asyncio.AbstractServer | None = None
     background: list[asyncio.Future[Any]] = field(default_factory=list)
 
@@ -281,6 +283,14 @@ async def _start(d: _Daemon, ready: Callable[[Ready], None] | None) -> None:
     peer_host = config.peer_listen.rpartition(":")[0]
     ident.address = config.advertise_address or f"{peer_host}:{peer_port}"
     ident.daemon_id = config.daemon_id or f"{socket.gethostname()}:{peer_port}"
+    if config.peer_stream_port >= 0:
+        d.wire = WireServer(peers, config)
+        try:
+            stream_port = await d.wire.start(peer_host, config.peer_stream_port)
+        except OSError as exc:
+            raise StartupError(f"cannot listen on {peer_host}:{config.peer_stream_port} for the peer control "
+                               f"stream ({exc.strerror or exc}; peer_stream_port = -1 turns it off)") from exc
+        ident.stream_address = f"{ident.address.rpartition(':')[0]}:{stream_port}"
 
     for srv in d.servers:
         await srv.start()
@@ -346,7 +356,8 @@ async def _start(d: _Daemon, ready: Callable[[Ready], None] | None) -> None:
         pool.size >> 20, peers.auth.mode,
     )
     if ready is not None:
-        ready(Ready(ident.daemon_id, config.socket, ident.address, metrics_port, engine_tcp, os.getpid()))
+        ready(Ready(ident.daemon_id, config.socket, ident.address, metrics_port, engine_tcp, os.getpid(),
+                    ident.stream_address))
 
 
 async def _wait(shutdown_trigger: asyncio.Event | Awaitable[Any] | None, install_signal_handlers: bool) -> None:
@@ -402,6 +413,8 @@ async def _close(d: _Daemon) -> None:
         task.cancel()
     if d.peers is not None:
         await d.peers.stop()
+    if d.wire is not None:
+        d.wire.close()
     for srv in d.servers:
         await srv.stop(0.5)
     if d.metrics_server is not None:

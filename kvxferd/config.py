@@ -97,6 +97,9 @@ class Config:
     peer_listen: str = "127.0.0.1:7471"
     # Address peers use to reach us; defaults to the bound peer address.
     advertise_address: str = ""
+    # The framed control stream between daemons (kvxferd.peer_wire), on peer_listen's host:
+    # -1 off (the gRPC Session stream only), 0 a free port, else that port.
+    peer_stream_port: int = 0
     daemon_id: str = ""
     metrics_host: str = "127.0.0.1"
     # 0 = ephemeral port, -1 = no metrics listener.
@@ -194,6 +197,8 @@ class Config:
         for addr in self.peers:
             if not _valid_hostport(addr):
                 raise ConfigError(f"peers entries must be HOST:PORT, got {addr!r}")
+        if not -1 <= self.peer_stream_port <= 65535:
+            raise ConfigError(f"peer_stream_port must be -1 (off), 0 (ephemeral) or a port, got {self.peer_stream_port}")
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port must be -1 (off), 0 (ephemeral) or a port, got {self.metrics_port}")
         if self.host_pool_bytes < (1 << 20):

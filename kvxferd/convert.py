@@ -143,8 +143,9 @@ def watermark_pb(w: Watermark) -> common_pb2.WatermarkPos:
 def daemon_ref(pb: peer_pb2.DaemonRef) -> DaemonRef:
     if not pb.daemon_id or not pb.instance_id:
         raise InvalidArgument("sender.daemon_id and sender.instance_id are required")
-    return DaemonRef(pb.daemon_id, pb.instance_id, pb.address)
+    return DaemonRef(pb.daemon_id, pb.instance_id, pb.address, pb.stream_address)
 
 
 def daemon_ref_pb(ref: DaemonRef) -> peer_pb2.DaemonRef:
-    return peer_pb2.DaemonRef(daemon_id=ref.daemon_id, instance_id=ref.instance_id, address=ref.address)
+    return peer_pb2.DaemonRef(daemon_id=ref.daemon_id, instance_id=ref.instance_id, address=ref.address,
+                              stream_address=ref.stream_address)

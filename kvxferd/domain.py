@@ -143,3 +143,5 @@ class DaemonRef:
     daemon_id: str
     instance_id: str
     address: str
+    # Where it serves the framed control stream (kvxferd.peer_wire); "" = gRPC Session only.
+    stream_address: str = ""

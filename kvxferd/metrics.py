@@ -71,6 +71,11 @@ class Metrics:
         self.peer_batches = Counter(
             "kvxferd_peer_batches", "Batches on peer control streams", ["direction"], registry=r
         )
+        self.peer_streams = Counter(
+            "kvxferd_peer_streams", "Peer control streams opened, by kind (framed: the daemons' own "
+            "framed stream; grpc: the Session RPC, where a peer names no framed stream or it is out of "
+            "reach; local: rooms between engines of this daemon)", ["kind"], registry=r,
+        )
         self.peer_messages = Counter(
             "kvxferd_peer_messages", "Messages on peer control streams", ["direction"], registry=r
         )

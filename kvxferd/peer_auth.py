@@ -82,7 +82,7 @@ def ids_from_auth_context(ctx: Mapping[str, Sequence[bytes]]) -> frozenset[str]:
     return _cert_ids(uris, cns)
 
 
-def _ids_from_peercert(cert: Mapping[str, object]) -> frozenset[str]:
+def ids_from_peercert(cert: Mapping[str, object]) -> frozenset[str]:
     """The same from Python ssl's getpeercert() dict."""
     sans = cert.get("subjectAltName", ())
     uris = [v for k, v in sans if k == "URI"] if isinstance(sans, tuple) else []
@@ -208,7 +208,7 @@ class PeerAuth:
             cert = writer.get_extra_info("peercert") or {}
         finally:
             writer.close()
-        return PeerCreds(_ids_from_peercert(cert))
+        return PeerCreds(ids_from_peercert(cert))
 
     # ------------------------------------------------------------------ shared secret
 

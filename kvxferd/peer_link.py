@@ -78,9 +78,11 @@ def grpc_options(config: Config) -> list[tuple[str, int]]:
 class Session:
     """One open Session stream, dialed by us or accepted from the peer."""
 
-    def __init__(self, write: Callable[[peer_pb2.PeerBatch], Awaitable[Any]], cancel: Callable[[], Any]) -> None:
+    def __init__(self, write: Callable[[peer_pb2.PeerBatch], Awaitable[Any]], cancel: Callable[[], Any],
+                 kind: str = "grpc") -> None:
         self.write = write
         self.cancel = cancel
+        self.kind = kind  # framed (kvxferd.peer_wire), grpc (the Session RPC) or local
         self.closed = False
         self.writer: asyncio.Task[None] | None = None
 
@@ -91,6 +93,8 @@ class PeerLink:
         self.daemon_id = ""
         self.instance_id = ""
         self.agent_name = ""
+        # Its framed control stream (kvxferd.peer_wire), from its handshake; "" = Session RPC only.
+        self.stream_address = ""
         self.metadata = b""  # the NIXL metadata loaded for agent_name
         self.is_self = False
         self.up = False

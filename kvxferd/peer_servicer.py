@@ -1,4 +1,5 @@
-"""Daemon-to-daemon gRPC servicer: the handshake, the control stream, and a liveness probe.
+"""Daemon-to-daemon gRPC servicer (the handshake, the control stream, a liveness probe) and the
+listener of the same control stream as plain frames (kvxferd.peer_wire).
 
 Protobuf in, domain calls out; the stream's messages are routed by peers.PeerManager. Nothing a
 peer sends after the handshake is read before its stream's Hello has been matched to a completed
@@ -16,11 +17,12 @@ import grpc
 
 from kvxfer_client._pb.kvxfer.v1 import peer_pb2, peer_pb2_grpc
 from kvxferd import __version__
+from kvxferd.config import Config
 from kvxferd.convert import daemon_ref, daemon_ref_pb
-from kvxferd.domain import DaemonRef
 from kvxferd.errors import KvxferError
 from kvxferd.peer_auth import PeerCreds, ids_from_auth_context
 from kvxferd.peer_link import CONTROL_TIMEOUT_S, Session, proof_of, proof_pb
+from kvxferd.peer_wire import WireStream, server_context
 from kvxferd.peers import PeerManager
 from kvxferd.ports import Identity
 from kvxferd.servicer import status_of
@@ -29,6 +31,9 @@ from kvxferd.transport import Transport
 logger = logging.getLogger(__name__)
 
 PEER_UNARY = ("Handshake", "Heartbeat")
+# Framed streams open at once, Hello read or not, beyond two per peer we may know: a bound on
+# what strangers can hold open.
+SPARE_WIRE_STREAMS = 16
 
 
 def creds_of(context: Any) -> PeerCreds:
@@ -46,7 +51,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         self._transport = transport
 
     def _me(self) -> peer_pb2.DaemonRef:
-        return daemon_ref_pb(DaemonRef(self._ident.daemon_id, self._ident.instance_id, self._ident.address))
+        return daemon_ref_pb(self._m.me)
 
     async def Handshake(self, request: peer_pb2.HandshakeRequest, context: grpc.aio.ServicerContext) -> peer_pb2.HandshakeReply:
         proof, metadata = await self._m.accept_handshake(
@@ -98,3 +103,65 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
     async def Heartbeat(self, request: peer_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext) -> peer_pb2.HeartbeatReply:
         self._m.check_heartbeat(daemon_ref(request.sender) if request.HasField("sender") else None, creds_of(context))
         return peer_pb2.HeartbeatReply(sender=self._me())
+
+
+class WireServer:
+    """Serves the control stream as plain frames on its own port. A stream is taken on exactly
+    the Session RPC's terms: its first batch starts with a Hello that PeerManager.accept matches
+    to a completed handshake of that instance (with mTLS, the client certificate must name the
+    daemon), and nothing after it is read before that."""
+
+    def __init__(self, manager: PeerManager, config: Config) -> None:
+        self._m = manager
+        self._config = config
+        self._server: asyncio.AbstractServer | None = None
+        self._streams: set[WireStream] = set()
+
+    async def start(self, host: str, port: int) -> int:
+        """Listens on host:port (0: a free port); returns the port."""
+        self._server = await asyncio.start_server(
+            self._serve, host.strip("[]") or None, port, ssl=server_context(self._config), limit=1 << 20,
+            ssl_handshake_timeout=CONTROL_TIMEOUT_S if self._config.tls_enabled else None)
+        return int(self._server.sockets[0].getsockname()[1])
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for stream in list(self._streams):
+            stream.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        stream = WireStream(reader, writer, self._config.max_message_bytes)
+        cap = 2 * self._config.max_peers + SPARE_WIRE_STREAMS
+        if len(self._streams) >= cap:
+            await stream.refuse(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], f"{cap} control streams open already")
+            return
+        self._streams.add(stream)
+        try:
+            await self._session(stream)
+        except Exception:
+            logger.exception("control stream from %s failed", stream.peer)
+        finally:
+            self._streams.discard(stream)
+            stream.close()
+
+    async def _session(self, stream: WireStream) -> None:
+        try:
+            first = await asyncio.wait_for(stream.__anext__(), CONTROL_TIMEOUT_S)
+        except (StopAsyncIteration, asyncio.TimeoutError, OSError, KvxferError):
+            first = None
+        if first is None or not first.msgs or first.msgs[0].WhichOneof("body") != "hello":
+            await stream.refuse(grpc.StatusCode.INVALID_ARGUMENT.value[0], "a session starts with a Hello")
+            return
+        session = Session(stream.write, stream.close, "framed")
+        try:
+            h = await self._m.accept(first.msgs[0].hello, session, PeerCreds(stream.peer_cert_ids()))
+        except KvxferError as exc:
+            await stream.refuse(status_of(exc).value[0], str(exc))
+            return
+        try:
+            await self._m.serve_stream(h, session, peer_pb2.PeerBatch(msgs=first.msgs[1:]), stream)
+        except KvxferError as exc:
+            await stream.refuse(status_of(exc).value[0], str(exc))
+        finally:
+            session.closed = True

@@ -28,6 +28,7 @@ from kvxferd.peer_auth import Binding, PeerAuth, PeerCreds, Proof
 from kvxferd.peer_dispatch import PeerInbox, dispatch
 from kvxferd.peer_limits import PeerLimits, PeerStatus
 from kvxferd.peer_link import CONTROL_TIMEOUT_S, PeerLink, Session, proof_of, proof_pb
+from kvxferd.peer_wire import dial
 from kvxferd.ports import Identity, Link
 from kvxferd.transport import Transport
 from kvxferd.workers import WorkerPool
@@ -93,7 +94,7 @@ class PeerManager:
 
     @property
     def me(self) -> DaemonRef:
-        return DaemonRef(self.ident.daemon_id, self.ident.instance_id, self.ident.address)
+        return DaemonRef(self.ident.daemon_id, self.ident.instance_id, self.ident.address, self.ident.stream_address)
 
     @property
     def _me(self) -> peer_pb2.DaemonRef:
@@ -122,7 +123,7 @@ class PeerManager:
             if h.session is None:
                 if h.is_self:
                     # Rooms between two engines of this daemon: the "stream" is a direct hand-off.
-                    self._start_session(h, Session(self._to_self(h), lambda: None))
+                    self._start_session(h, Session(self._to_self(h), lambda: None, "local"))
                 else:
                     await self._dial_session(h)
         return h
@@ -152,6 +153,8 @@ class PeerManager:
                     raise
         ref, their_md = daemon_ref(reply.sender), bytes(reply.nixl_metadata)
         self.limits.metadata(len(their_md))
+        if ref.stream_address and not _valid_hostport(ref.stream_address):
+            raise InvalidArgument(f"the peer's stream_address is not HOST:PORT: {ref.stream_address[:100]!r}")
         # The server's certificate must name the daemon it claims to be (mTLS).
         self.auth.check_claim(await self.auth.server_ids(h.address, CONTROL_TIMEOUT_S), ref.daemon_id)
         binding = self.auth.verify_reply(ref, reply.agent_name, their_md, self.me, sent, key, proof_of(reply))
@@ -165,16 +168,38 @@ class PeerManager:
             h.bindings.append(binding)
 
     async def _dial_session(self, h: PeerLink) -> None:
-        call = h.stub.Session()
         proof = self.auth.hello_proof(self.me, h.instance_id, h.bindings[-1] if h.bindings else None)
         hello = peer_pb2.PeerMsg(hello=peer_pb2.Hello(sender=self._me, peer_instance_id=h.instance_id,
                                                       proof=proof_pb(proof)))
-        await call.write(peer_pb2.PeerBatch(msgs=[hello]))
+        first = peer_pb2.PeerBatch(msgs=[hello])
+        if h.stream_address and self.config.peer_stream_port >= 0:
+            try:
+                wire = await dial(h.stream_address, self.config, CONTROL_TIMEOUT_S)
+            except (OSError, asyncio.TimeoutError) as exc:
+                # A firewall that lets only the peer port through, say: slower, but it works.
+                logger.warning("peer %s: its control stream at %s is out of reach (%s); using the gRPC "
+                               "Session stream instead", h.daemon_id, h.stream_address, exc or type(exc).__name__)
+            else:
+                try:
+                    # mTLS: the stream's server must be the daemon we handshook with.
+                    self.auth.check_claim(PeerCreds(wire.peer_cert_ids()), h.daemon_id)
+                    await wire.write(first)
+                except BaseException:
+                    wire.close()
+                    raise
+                session = Session(wire.write, wire.close, "framed")
+                self._start_session(h, session)
+                self._spawn(self._read(h, session, wire), f"control stream with {h.address}")
+                return
+        call = h.stub.Session()
+        await call.write(first)
         session = Session(call.write, call.cancel)
         self._start_session(h, session)
         self._spawn(self._read(h, session, call), f"session with {h.address}")
 
     def _start_session(self, h: PeerLink, session: Session) -> None:
+        self._metrics.peer_streams.labels(kind=session.kind).inc()
+        logger.info("control stream with %s (%s) up: %s", h.daemon_id, h.address, session.kind)
         h.attach(session)
         if h.lost_instance:
             old, h.lost_instance = h.lost_instance, ""
@@ -223,6 +248,8 @@ class PeerManager:
         # guess at (no bare names, no schemes).
         if not _valid_hostport(ref.address):
             raise InvalidArgument(f"sender.address must be HOST:PORT, got {ref.address[:100]!r}")
+        if ref.stream_address and not _valid_hostport(ref.stream_address):
+            raise InvalidArgument(f"sender.stream_address must be HOST:PORT, got {ref.stream_address[:100]!r}")
         self.auth.check_claim(creds, ref.daemon_id)
         their_nonce, key = self.auth.verify_request(ref, agent, metadata, proof)
         # Claiming the address of another daemon that is up would re-bind its link (failing its
@@ -294,6 +321,7 @@ class PeerManager:
             # Same daemon reached by another address: keep one link.
             if old.instance_id == ref.instance_id and old.up:
                 self._by_address[h.address] = old
+                old.stream_address = ref.stream_address
                 await self._reload_metadata(old, metadata)
                 return
             self.lost(old, "peer restarted" if old.instance_id != ref.instance_id else "peer re-addressed")
@@ -301,6 +329,7 @@ class PeerManager:
         if h.up and h.instance_id == ref.instance_id and (h.agent_name or h.is_self):
             # A repeated handshake from the same process: never remove its entry (transfers may be
             # using it), but load metadata that changed (a GPU ring registered or released since).
+            h.stream_address = ref.stream_address
             await self._reload_metadata(h, metadata)
             return
         if h.up and h.instance_id and h.instance_id != ref.instance_id:
@@ -315,7 +344,7 @@ class PeerManager:
             h.metadata = metadata
         else:
             h.agent_name = agent_name
-        h.daemon_id, h.instance_id = ref.daemon_id, ref.instance_id
+        h.daemon_id, h.instance_id, h.stream_address = ref.daemon_id, ref.instance_id, ref.stream_address
         if ref.address and ref.address != h.address:
             self._by_address.setdefault(ref.address, h)
         h.up = True

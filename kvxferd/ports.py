@@ -93,4 +93,5 @@ class Identity:
         self.daemon_id = daemon_id
         self.instance_id = instance_id
         self.address = ""
+        self.stream_address = ""  # the framed control stream's HOST:PORT ("" when off)
         self.md_epoch = 0

@@ -32,6 +32,7 @@ DASHBOARD = DEPLOY / "grafana" / "kvxferd-dashboard.json"
 DOCKERFILE = ROOT / "Dockerfile"
 
 PEER_PORT = 7471
+PEER_STREAM_PORT = 7472
 METRICS_PORT = 9479
 SOCKET_DIR = "/run/kvxferd"
 SOCKET = f"{SOCKET_DIR}/kvxferd.sock"
@@ -244,6 +245,7 @@ def test_example_toml_uses_contract_keys_only():
     assert cfg["drain_grace_s"] == drain_grace_default()
     assert cfg["metrics_port"] == METRICS_PORT
     assert cfg["peer_listen"].rsplit(":", 1)[1] == str(PEER_PORT)
+    assert cfg["peer_stream_port"] == PEER_STREAM_PORT
 
 
 # --------------------------------------------------------------------------- kubernetes
@@ -311,8 +313,9 @@ def _check_kvxferd_container(pod_spec: dict, c: dict, config_maps: dict) -> None
         else:
             assert p["exec"]["command"][:2] == ["kvxferd", "status"], p
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"grpc-peer": PEER_PORT, "metrics": METRICS_PORT}
+    assert ports == {"grpc-peer": PEER_PORT, "peer-stream": PEER_STREAM_PORT, "metrics": METRICS_PORT}
     env = _env(c)
+    assert env.get("KVXFERD_PEER_STREAM_PORT") == str(PEER_STREAM_PORT)
     unknown = {k for k in env if k.startswith("KVXFERD_")} - allowed_env()
     assert not unknown, f"KVXFERD_* variables that are no config key: {unknown}"
     assert env.get("KVXFERD_METRICS_HOST") == "0.0.0.0"
@@ -391,7 +394,7 @@ def test_sidecar_example(k8s):
 def test_headless_peer_service(k8s):
     svc = k8s["Service/kvxferd-peers"]
     assert svc["spec"]["clusterIP"] == "None"
-    assert PEER_PORT in {p["port"] for p in svc["spec"]["ports"]}
+    assert {PEER_PORT, PEER_STREAM_PORT} <= {p["port"] for p in svc["spec"]["ports"]}
     ds_labels = k8s["DaemonSet/kvxferd"]["spec"]["template"]["metadata"]["labels"]
     assert svc["spec"]["selector"].items() <= ds_labels.items()
 
@@ -557,7 +560,7 @@ def test_dockerfile():
     assert json.loads(dict(ins)["CMD"]) == ["serve"]
     hc = [rest for op, rest in ins if op == "HEALTHCHECK"]
     assert hc and re.search(r'CMD \["kvxferd", "status"', hc[0]), hc
-    assert f"{PEER_PORT}" in dict(ins)["EXPOSE"] and f"{METRICS_PORT}" in dict(ins)["EXPOSE"]
+    assert {str(PEER_PORT), str(PEER_STREAM_PORT), str(METRICS_PORT)} <= set(dict(ins)["EXPOSE"].split())
 
 
 def test_dockerignore_keeps_context_small():

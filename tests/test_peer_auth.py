@@ -11,12 +11,11 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,18 +24,27 @@ from typing import Any
 import grpc
 import pytest
 
-from kvxfer_client import DecodeReceiver, Layout, PrefillSender, RoomFailed
+from kvxfer_client import DecodeReceiver, RoomFailed
 from kvxfer_client._pb.kvxfer.v1 import peer_pb2
 from kvxferd.config import Config, ConfigError, load_config
 from kvxferd.domain import DaemonRef
 from kvxferd.peer_auth import Proof
 from kvxferd.peer_link import proof_of, proof_pb
-from tests.conftest import ROOT, DaemonProc, daemon_env, spawn_daemon, wait_ready
+from tests.conftest import ROOT, DaemonProc, daemon_env, spawn_daemon
 from tests.faults.harness import metric
-from tests.peer_client import Client, caps, closed_port, code_of, secret_file, status
+from tests.peer_client import (
+    LAYOUT,
+    Client,
+    caps,
+    closed_port,
+    code_of,
+    nixl_agent,
+    one_room,
+    running,
+    secret_file,
+    status,
+)
 
-LAYOUT = Layout(num_layers=2, total_kv_heads=2, head_dim=16, dtype_bytes=2, page_size=16)
-CHUNK = 16 * 256  # bytes of 16 tokens of LAYOUT
 FLOOD = int(os.environ.get("KVX_FLOOD_HANDSHAKES", "1000"))
 OK, DENIED, EXHAUSTED = grpc.StatusCode.OK, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED
 
@@ -70,40 +78,15 @@ def fleet() -> Iterator[Fleet]:
     procs = {name: spawn_daemon(wd, name, *args, wait=False) for name, args in specs.items()}
     procs["si"] = spawn_daemon(wd, "si", "--set", "insecure_peers=true", wait=False, peer_listen="0.0.0.0:0")
     try:
-        for p in procs.values():
-            wait_ready(p)
-        yield Fleet(wd, procs, secret, files)
+        with running(procs):
+            yield Fleet(wd, procs, secret, files)
     finally:
-        for p in procs.values():
-            if p.proc.poll() is None:
-                p.proc.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            p.stop(timeout=30)
         shutil.rmtree(wd, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
 def agent() -> Iterator[Any]:
-    from kvxferd.transport_nixl import NixlTransport
-
-    t = NixlTransport(f"kvx-auth-{os.getpid()}", progress_thread=False)
-    yield t
-    t.close()
-
-
-def one_room(tx_d: DaemonProc, rx_d: DaemonProc, room: int, mid: Callable[[], None] | None = None) -> None:
-    """A 3-chunk room tx_d -> rx_d, every byte checked; `mid` runs after the first chunk."""
-    chunks = [secrets.token_bytes(CHUNK) for _ in range(3)]
-    with PrefillSender(socket=tx_d.socket, group=f"g{room}", layout=LAYOUT, ring_bytes=1 << 20) as tx, \
-            DecodeReceiver(socket=rx_d.socket, group=f"d{room}", layout=LAYOUT, ring_bytes=1 << 20) as rx:
-        rx.expect(room, tx_d.peer_address, f"g{room}", 48)
-        for i, data in enumerate(chunks):
-            tx.send_chunk(room, i, 16 * i, 16, data, last=i == 2, aux=b"aux" if i == 2 else b"")
-            if i == 0 and mid is not None:
-                mid()
-        got, st = rx.receive(room, timeout=30)
-        assert [got[i] for i in range(3)] == chunks and st.aux == b"aux", "room bytes differ"
-        tx.wait(room, timeout=10)
+    yield from nixl_agent("kvx-auth")
 
 
 def failed_room(tx_d: DaemonProc, rx_d: DaemonProc, room: int) -> RoomFailed:

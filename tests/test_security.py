@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import stat
 import subprocess
 import sys
@@ -45,6 +46,7 @@ from kvxfer_client import (
 from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
 from kvxferd.config import Config
 from tests.conftest import ROOT, DaemonProc, daemon_env, spawn_daemon, wait_ready
+from tests.peer_client import PERMISSION_DENIED, Wire, peer_streams
 
 LAYOUT = Layout(num_layers=2, total_kv_heads=2, head_dim=16, dtype_bytes=2, page_size=16)
 NOBODY = 65534  # nobody / nogroup on Debian
@@ -335,6 +337,37 @@ def test_two_daemons_with_mutual_tls_complete_a_room_and_refuse_a_rogue_peer(fle
     with grpc.insecure_channel(f"unix:{pre.socket}") as ch:
         st = engine_pb2_grpc.EngineStub(ch).GetStatus(engine_pb2.GetStatusRequest(), timeout=5)
     assert {p.daemon_id for p in st.peers} == {"dec"}, "a peer without a valid certificate got in"
+    # The room ran on the framed stream, under the same mutual TLS.
+    assert peer_streams(pre).get("framed", 0) >= 1 and peer_streams(dec).get("framed", 0) >= 1
+    assert peer_streams(pre).get("grpc", 0) == 0 and peer_streams(dec).get("grpc", 0) == 0
+
+
+def test_the_framed_stream_needs_a_client_certificate_that_names_the_daemon(fleet: Fleet, pki: Pki) -> None:
+    pre = fleet.d["pre"]
+
+    def tls(client: str | None) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=str(pki.ca))
+        if client is not None:
+            ctx.load_cert_chain(str(pki.cert(client)), str(pki.key(client)))
+        return ctx
+
+    hello = peer_pb2.PeerMsg(hello=peer_pb2.Hello(
+        sender=peer_pb2.DaemonRef(daemon_id="dec", instance_id="x", address="127.0.0.1:9"), peer_instance_id="y"))
+    # Plaintext on a TLS port, TLS without a client certificate, one from another CA: no answer.
+    for client in ("plaintext", None, "rogue"):
+        try:
+            w = Wire(pre, None if client == "plaintext" else tls(client))
+            w.batch(hello)
+            got = w.frame()
+        except OSError:  # ssl.SSLError included
+            got = None
+        assert got is None, f"{client}: a stream without a valid client certificate got an answer: {got!r}"
+    # A valid certificate, but it names "client" and the Hello claims "dec".
+    w = Wire(pre, tls("client"))
+    w.batch(hello)
+    code, why = w.refusal()
+    assert code == PERMISSION_DENIED and "not named by the peer's certificate" in why, why
+    w.close()
 
 
 def test_python_client_and_cli_speak_tls_and_mutual_tls(fleet: Fleet, pki: Pki) -> None:

@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DaemonRef(_message.Message):
-    __slots__ = ("daemon_id", "instance_id", "address")
+    __slots__ = ("daemon_id", "instance_id", "address", "stream_address")
     DAEMON_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     daemon_id: str
     instance_id: str
     address: str
-    def __init__(self, daemon_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+    stream_address: str
+    def __init__(self, daemon_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., address: _Optional[str] = ..., stream_address: _Optional[str] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("sender", "agent_name", "nixl_metadata", "version", "proof")

@@ -67,6 +67,8 @@ class PeerServicer:
         """The control stream. The opener's first batch starts with a Hello naming the
         instance that handshook; a stream whose Hello names no completed handshake is
         refused before anything else on it is read.
+        The framed stream at DaemonRef.stream_address carries the same batches, Hello first;
+        a daemon dials it when the peer names one and falls back to this RPC otherwise.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

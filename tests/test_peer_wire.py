@@ -1,0 +1,155 @@
+"""The framed control stream between daemons (kvxferd.peer_wire): rooms run on it, a daemon that
+does not serve it is reached over the Session RPC, and it refuses exactly what the RPC refuses.
+
+Real daemons (subprocesses) with a shared peer secret; a hand-made peer (tests.peer_client) with a
+real NIXL agent speaks the frames on a raw socket."""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+import struct
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvxfer_client._pb.kvxfer.v1 import peer_pb2
+from kvxferd.domain import DaemonRef
+from kvxferd.peer_servicer import SPARE_WIRE_STREAMS
+from kvxferd.peer_wire import BATCH, FRAME, REFUSE
+from tests.conftest import DaemonProc, spawn_daemon
+from tests.peer_client import Client, Wire, nixl_agent, one_room, peer_streams, running, secret_file, status
+
+
+@dataclass
+class Fleet:
+    d: dict[str, DaemonProc]
+    secret: bytes
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[Fleet]:
+    """wa, wb: the framed stream on (the default); wg: peer_stream_port = -1 (Session RPC only);
+    wc: max_peers = 1. All share a peer secret."""
+    wd = Path(tempfile.mkdtemp(prefix="kvxw-"))
+    secret = secrets.token_hex(24).encode()
+    path = secret_file(wd, "fleet", secret)
+    specs = {"wa": [], "wb": [], "wg": ["--set", "peer_stream_port=-1"], "wc": ["--set", "max_peers=1"]}
+    procs = {n: spawn_daemon(wd, n, "--set", f"peer_secret_file={path}", *a, wait=False) for n, a in specs.items()}
+    try:
+        with running(procs):
+            yield Fleet(procs, secret)
+    finally:
+        shutil.rmtree(wd, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def agent() -> Iterator[Any]:
+    yield from nixl_agent("kvx-wire")
+
+
+def test_rooms_run_on_the_framed_stream_and_reach_a_daemon_without_one_over_grpc(fleet: Fleet) -> None:
+    wa, wb, wg = (fleet.d[n] for n in ("wa", "wb", "wg"))
+    assert wa.info["stream_address"] and wb.info["stream_address"]
+    assert wg.info["stream_address"] == "", "peer_stream_port = -1 must not listen"
+    one_room(wa, wb, 1)
+    one_room(wb, wa, 2)
+    assert peer_streams(wa).get("framed", 0) >= 1 and peer_streams(wb).get("framed", 0) >= 1
+    assert peer_streams(wa).get("grpc", 0) == 0 and peer_streams(wb).get("grpc", 0) == 0, "a Session RPC where frames were due"
+    # wg names no framed stream and dials none: both directions fall back to the Session RPC.
+    one_room(wa, wg, 3)
+    one_room(wg, wb, 4)
+    assert peer_streams(wg).get("framed", 0) == 0 and peer_streams(wg).get("grpc", 0) >= 1
+    assert peer_streams(wa).get("grpc", 0) >= 1 and peer_streams(wb).get("grpc", 0) >= 1
+
+
+from tests.peer_client import INVALID_ARGUMENT, PERMISSION_DENIED  # noqa: E402
+
+RESOURCE_EXHAUSTED = 8
+
+
+def test_the_framed_stream_refuses_what_the_session_rpc_refuses(fleet: Fleet, agent: Any, tmp_path: Path) -> None:
+    wb = fleet.d["wb"]
+    c = Client(wb, fleet.secret, tmp_path)
+    me = DaemonRef("wire-client", "inst-1", "127.0.0.1:9")
+    try:
+        hb = peer_pb2.PeerMsg()
+        # A first batch that is not a Hello, and an empty one.
+        for first in ((hb,), ()):
+            w = Wire(wb)
+            w.batch(*first)
+            assert w.refusal() == (INVALID_ARGUMENT, "a session starts with a Hello")
+            w.close()
+        # Frames that are not frames: too long, an unknown kind, bytes that do not parse.
+        for payload, kind, length in ((b"", BATCH, 1 << 30), (b"x", 9, None), (b"\xff\xff\xff", BATCH, None)):
+            w = Wire(wb)
+            w.send(payload, kind, length)
+            got = w.frame()
+            assert got is None or got[0] == REFUSE, f"{(kind, length)}: the daemon answered {got!r}"
+            if got is not None:
+                assert w.frame() is None
+            w.close()
+        # A Hello before any handshake, then after one but without (or with a forged) proof.
+        w = Wire(wb)
+        w.batch(c.hello(me, wb.info["daemon_id"], None))
+        code, why = w.refusal()
+        assert code == PERMISSION_DENIED and "has not handshaken" in why, why
+        w.close()
+        assert "wire-client" not in {p.daemon_id for p in status(wb).peers}
+        reply, binding = c.handshake(me, agent.name, agent.metadata())
+        for bad in (None, (binding[0], b"n" * 16, binding[2])):
+            w = Wire(wb)
+            w.batch(c.hello(me, reply.sender.instance_id, bad))
+            assert w.refusal()[0] == PERMISSION_DENIED
+            w.close()
+        # The real thing: accepted, and the daemon speaks (a heartbeat batch within its interval).
+        w = Wire(wb)
+        w.batch(c.hello(me, reply.sender.instance_id, binding))
+        got = w.frame()
+        assert got is not None and got[0] == BATCH, got
+        peer_pb2.PeerBatch.FromString(got[1])
+        assert "wire-client" in {p.daemon_id for p in status(wb).peers}
+        w.close()
+    finally:
+        c.close()
+    # The daemon still moves rooms after all of that.
+    one_room(fleet.d["wa"], wb, 10)
+
+
+def test_a_silent_connection_is_closed(fleet: Fleet) -> None:
+    w = Wire(fleet.d["wa"])
+    t0 = time.monotonic()
+    code, why = w.refusal()
+    assert code == INVALID_ARGUMENT and time.monotonic() - t0 < 9, (code, why, time.monotonic() - t0)
+    w.close()
+
+
+def test_streams_that_never_say_hello_are_capped(fleet: Fleet) -> None:
+    wc = fleet.d["wc"]
+    cap = 2 * 1 + SPARE_WIRE_STREAMS  # max_peers = 1
+    held = [Wire(wc) for _ in range(cap)]
+    try:
+        time.sleep(0.3)  # every one of them accepted
+        extra = Wire(wc)
+        code, why = extra.refusal()
+        assert code == RESOURCE_EXHAUSTED and f"{cap} control streams" in why, (code, why)
+        extra.close()
+    finally:
+        for w in held:
+            w.close()
+    # Once they are gone, a stream is taken again (and refused only for what it says).
+    time.sleep(0.3)
+    w = Wire(wc)
+    w.batch(peer_pb2.PeerMsg())
+    assert w.refusal() == (INVALID_ARGUMENT, "a session starts with a Hello")
+    w.close()
+
+
+def test_frame_header_is_length_then_kind() -> None:
+    # The layout peers of other versions rely on: u32 length, u8 kind, little-endian.
+    assert FRAME.size == 5 and FRAME.pack(5, REFUSE) == struct.pack("<IB", 5, 1)
