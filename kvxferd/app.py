@@ -346,7 +346,8 @@ async def _start(d: _Daemon, ready: Callable[[Ready], None] | None) -> None:
     d.background.append(asyncio.ensure_future(_sweep(node)))
     if injector is not None:
         d.background.append(asyncio.ensure_future(fault_control(
-            config.socket + FAULT_CONTROL_SUFFIX, injector, delays, transport, ident, workers.run_blocking)))
+            config.socket + FAULT_CONTROL_SUFFIX, injector, delays, transport, ident, workers.run_blocking,
+            d.wire.close if d.wire is not None else None)))
     if peers.auth.mode == "insecure":
         logger.warning("insecure_peers: the peer service on %s accepts unauthenticated peers; any host that "
                        "reaches it can claim any daemon id (set peer_secret_file or mTLS)", ident.address)

@@ -9,7 +9,9 @@
   its process lives on and its worker threads go on posting WRITEs it has not learnt are revoked;
 - `register BYTES` / `release`: register a new DRAM region with NIXL (release: the oldest such
   region) and bump the metadata epoch, as importing or releasing an engine's GPU ring does, so CPU
-  tests exercise re-handshakes with changed NIXL metadata while rooms are in flight.
+  tests exercise re-handshakes with changed NIXL metadata while rooms are in flight;
+- `stream-off`: the framed control stream's port closes, with every stream on it, as a firewall
+  that lets only the peer port through would have it: peers must fall back to the Session RPC.
 
 The file sits next to the socket, in a directory only the daemon's user can write; the hook does
 not exist unless fault_injection is on.
@@ -55,7 +57,8 @@ class PostDelay:
 
 
 async def fault_control(path: str, injector: FaultInjector, delays: PostDelay, transport: Transport,
-                        ident: Identity, run_blocking: Callable[..., Awaitable[Any]]) -> None:
+                        ident: Identity, run_blocking: Callable[..., Awaitable[Any]],
+                        close_stream: Callable[[], None] | None = None) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)  # a leftover of an earlier run must not fire now
     scratch: list[tuple[mmap.mmap, int]] = []
@@ -102,6 +105,9 @@ async def fault_control(path: str, injector: FaultInjector, delays: PostDelay, t
                     m.close()  # unmapped: the next region may land at the same address, like a GPU ring
                     ident.md_epoch += 1
                     logger.warning("fault injection: released a region (metadata epoch %d)", ident.md_epoch)
+                elif words == ["stream-off"] and close_stream is not None:
+                    close_stream()
+                    logger.warning("fault injection: the framed control stream's port is closed")
                 else:
                     logger.warning("fault injection: unknown command %r in %s", text[:40], path)
             except Exception as exc:

@@ -35,11 +35,13 @@ class Fleet:
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[Fleet]:
     """wa, wb: the framed stream on (the default); wg: peer_stream_port = -1 (Session RPC only);
-    wc: max_peers = 1. All share a peer secret."""
+    wc: max_peers = 1; fa, fb: fault injection on. All share a peer secret."""
     wd = Path(tempfile.mkdtemp(prefix="kvxw-"))
     secret = secrets.token_hex(24).encode()
     path = secret_file(wd, "fleet", secret)
-    specs = {"wa": [], "wb": [], "wg": ["--set", "peer_stream_port=-1"], "wc": ["--set", "max_peers=1"]}
+    faults = ["--set", "fault_injection=true"]
+    specs = {"wa": [], "wb": [], "wg": ["--set", "peer_stream_port=-1"], "wc": ["--set", "max_peers=1"],
+             "fa": faults, "fb": faults}
     procs = {n: spawn_daemon(wd, n, "--set", f"peer_secret_file={path}", *a, wait=False) for n, a in specs.items()}
     try:
         with running(procs):
@@ -127,6 +129,24 @@ def test_a_silent_connection_is_closed(fleet: Fleet) -> None:
     code, why = w.refusal()
     assert code == INVALID_ARGUMENT and time.monotonic() - t0 < 9, (code, why, time.monotonic() - t0)
     w.close()
+
+
+def test_a_framed_port_that_goes_away_leaves_the_session_rpc(fleet: Fleet) -> None:
+    fa, fb = fleet.d["fa"], fleet.d["fb"]
+    one_room(fa, fb, 20)
+    assert peer_streams(fa).get("framed", 0) >= 1 and peer_streams(fa).get("grpc", 0) == 0
+    # Both ports close, as a firewall opened for the peer port only would have it: the stream
+    # between them breaks, and every dial of a framed stream from now on is refused.
+    for d in (fa, fb):
+        Path(d.socket + ".faults").write_text("stream-off")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and "framed control stream's port is closed" not in fb.log_text():
+        time.sleep(0.05)
+    time.sleep(0.3)
+    one_room(fb, fa, 21)
+    one_room(fa, fb, 22)
+    assert peer_streams(fa).get("grpc", 0) >= 1 and peer_streams(fb).get("grpc", 0) >= 1
+    assert "using the gRPC Session stream instead" in fa.log_text() + fb.log_text()
 
 
 def test_streams_that_never_say_hello_are_capped(fleet: Fleet) -> None:
