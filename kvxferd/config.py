@@ -341,6 +341,12 @@ def usable_cpus(cgroup_root: str = "/sys/fs/cgroup") -> int:
     return cpus
 
 
+def split_hostport(address: str) -> tuple[str, int]:
+    """HOST:PORT as (host, port) for a socket call: an IPv6 host loses its brackets."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
 def _valid_hostport(value: str) -> bool:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit():

@@ -33,7 +33,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kvxferd.config import Config, ConfigError, read_secret_file
+from kvxferd.config import Config, ConfigError, read_secret_file, split_hostport
 from kvxferd.domain import DaemonRef
 from kvxferd.errors import PermissionDenied
 from kvxferd.metrics import Metrics
@@ -94,6 +94,15 @@ def ids_from_peercert(cert: Mapping[str, object]) -> frozenset[str]:
 def _cert_ids(uris: Sequence[str], cns: Sequence[str]) -> frozenset[str]:
     ids = frozenset(u[len(CERT_ID_PREFIX):] for u in uris if u.startswith(CERT_ID_PREFIX))
     return ids or frozenset(cns)
+
+
+def client_tls_context(config: Config) -> ssl.SSLContext:
+    """TLS for dialing a peer, as our gRPC channels have it: the peer's certificate checked
+    against our CA (the system's without one) and the host we dial, ours presented."""
+    ctx = ssl.create_default_context(cafile=config.tls_ca or None)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(config.tls_cert, config.tls_key)
+    return ctx
 
 
 def _mac(key: bytes, label: str, *parts: bytes | str | int) -> bytes:
@@ -196,14 +205,11 @@ class PeerAuth:
         connection of its own, verified the same way (our CA, our client certificate)."""
         if self.mode != "mtls":
             return PeerCreds()
-        cfg = self._config
-        ctx = ssl.create_default_context(cafile=cfg.tls_ca)
-        ctx.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+        ctx = client_tls_context(self._config)
         ctx.set_alpn_protocols(["h2"])
-        host, _, port = address.rpartition(":")
-        host = host.strip("[]")
+        host, port = split_hostport(address)
         _, writer = await asyncio.wait_for(
-            asyncio.open_connection(host, int(port), ssl=ctx, server_hostname=host), timeout)
+            asyncio.open_connection(host, port, ssl=ctx, server_hostname=host), timeout)
         try:
             cert = writer.get_extra_info("peercert") or {}
         finally:

@@ -23,9 +23,9 @@ import struct
 from typing import Any
 
 from kvxfer_client._pb.kvxfer.v1 import peer_pb2
-from kvxferd.config import Config
+from kvxferd.config import Config, split_hostport
 from kvxferd.errors import KvxferError
-from kvxferd.peer_auth import ids_from_peercert
+from kvxferd.peer_auth import client_tls_context, ids_from_peercert
 
 logger = logging.getLogger(__name__)
 
@@ -51,17 +51,6 @@ def server_context(config: Config) -> ssl.SSLContext | None:
     if config.tls_ca:
         ctx.load_verify_locations(config.tls_ca)
     ctx.verify_mode = ssl.CERT_REQUIRED if config.tls_client_auth else ssl.CERT_NONE
-    return ctx
-
-
-def client_context(config: Config) -> ssl.SSLContext | None:
-    """TLS for dialing, as our gRPC channels have it: the peer's certificate checked against our
-    CA (the system's without one) and the host we dial, ours presented."""
-    if not config.tls_enabled:
-        return None
-    ctx = ssl.create_default_context(cafile=config.tls_ca or None)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.load_cert_chain(config.tls_cert, config.tls_key)
     return ctx
 
 
@@ -139,11 +128,10 @@ class WireStream:
 
 async def dial(address: str, config: Config, timeout: float) -> WireStream:
     """Opens a framed stream to HOST:PORT (TLS as configured); raises OSError or TimeoutError."""
-    host, _, port = address.rpartition(":")
-    host = host.strip("[]")
-    ctx = client_context(config)
+    host, port = split_hostport(address)
+    ctx = client_tls_context(config) if config.tls_enabled else None
     reader, writer = await asyncio.wait_for(
-        asyncio.open_connection(host, int(port), ssl=ctx, server_hostname=host if ctx else None,
+        asyncio.open_connection(host, port, ssl=ctx, server_hostname=host if ctx else None,
                                 limit=1 << 20),
         timeout)
     return WireStream(reader, writer, config.max_message_bytes)

@@ -18,7 +18,7 @@ import grpc
 
 from kvxfer_client._pb.kvxfer.v1 import peer_pb2
 from kvxferd import __version__
-from kvxferd.config import Config, _valid_hostport
+from kvxferd.config import Config, _valid_hostport, split_hostport
 from kvxferd.convert import daemon_ref, daemon_ref_pb
 from kvxferd.credits import CreditWindow
 from kvxferd.domain import DaemonRef
@@ -38,9 +38,8 @@ logger = logging.getLogger(__name__)
 
 async def _refused(address: str) -> bool:
     """True if a TCP connect to `address` is actively refused (no process listens there)."""
-    host, _, port = address.rpartition(":")
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), 1.0)
+        _, writer = await asyncio.wait_for(asyncio.open_connection(*split_hostport(address)), 1.0)
     except ConnectionRefusedError:
         return True
     except (OSError, ValueError, asyncio.TimeoutError):
