@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2, peer_pb2
+from kvxferd.config import _valid_hostport
 from kvxferd.domain import (
     ChunkSpec,
     CudaRingSpec,
@@ -143,6 +144,9 @@ def watermark_pb(w: Watermark) -> common_pb2.WatermarkPos:
 def daemon_ref(pb: peer_pb2.DaemonRef) -> DaemonRef:
     if not pb.daemon_id or not pb.instance_id:
         raise InvalidArgument("sender.daemon_id and sender.instance_id are required")
+    # We may dial it: only HOST:PORT, as for the address.
+    if pb.stream_address and not _valid_hostport(pb.stream_address):
+        raise InvalidArgument(f"sender.stream_address must be HOST:PORT, got {pb.stream_address[:100]!r}")
     return DaemonRef(pb.daemon_id, pb.instance_id, pb.address, pb.stream_address)
 
 

@@ -152,8 +152,6 @@ class PeerManager:
                     raise
         ref, their_md = daemon_ref(reply.sender), bytes(reply.nixl_metadata)
         self.limits.metadata(len(their_md))
-        if ref.stream_address and not _valid_hostport(ref.stream_address):
-            raise InvalidArgument(f"the peer's stream_address is not HOST:PORT: {ref.stream_address[:100]!r}")
         # The server's certificate must name the daemon it claims to be (mTLS).
         self.auth.check_claim(await self.auth.server_ids(h.address, CONTROL_TIMEOUT_S), ref.daemon_id)
         binding = self.auth.verify_reply(ref, reply.agent_name, their_md, self.me, sent, key, proof_of(reply))
@@ -247,8 +245,6 @@ class PeerManager:
         # guess at (no bare names, no schemes).
         if not _valid_hostport(ref.address):
             raise InvalidArgument(f"sender.address must be HOST:PORT, got {ref.address[:100]!r}")
-        if ref.stream_address and not _valid_hostport(ref.stream_address):
-            raise InvalidArgument(f"sender.stream_address must be HOST:PORT, got {ref.stream_address[:100]!r}")
         self.auth.check_claim(creds, ref.daemon_id)
         their_nonce, key = self.auth.verify_request(ref, agent, metadata, proof)
         # Claiming the address of another daemon that is up would re-bind its link (failing its

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from kvxfer_client._pb.kvxfer.v1 import peer_pb2
@@ -23,7 +24,7 @@ from kvxferd.domain import DaemonRef
 from kvxferd.peer_servicer import SPARE_WIRE_STREAMS
 from kvxferd.peer_wire import BATCH, FRAME, REFUSE
 from tests.conftest import DaemonProc, spawn_daemon
-from tests.peer_client import Client, Wire, nixl_agent, one_room, peer_streams, running, secret_file, status
+from tests.peer_client import Client, Wire, code_of, nixl_agent, one_room, peer_streams, running, secret_file, status
 
 
 @dataclass
@@ -102,6 +103,12 @@ def test_the_framed_stream_refuses_what_the_session_rpc_refuses(fleet: Fleet, ag
         code, why = w.refusal()
         assert code == PERMISSION_DENIED and "has not handshaken" in why, why
         w.close()
+        assert "wire-client" not in {p.daemon_id for p in status(wb).peers}
+        # A stream address the daemon could not dial is refused with the handshake, and adds nothing.
+        bad = c.request(me, agent.name, agent.metadata(), c.auth.signing_keys()[0])
+        bad.sender.stream_address = "not-a-hostport"
+        code, why = code_of(lambda: c.stub.Handshake(bad, timeout=10))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "stream_address must be HOST:PORT" in why, (code, why)
         assert "wire-client" not in {p.daemon_id for p in status(wb).peers}
         reply, binding = c.handshake(me, agent.name, agent.metadata())
         for bad in (None, (binding[0], b"n" * 16, binding[2])):
