@@ -36,6 +36,19 @@ PEER_UNARY = ("Handshake", "Heartbeat")
 SPARE_WIRE_STREAMS = 16
 
 
+NO_HELLO = "a session starts with a Hello"
+
+
+async def _opening(batches: AsyncIterator[peer_pb2.PeerBatch]) -> peer_pb2.PeerBatch | None:
+    """A stream's first batch if it comes in time and starts with a Hello, else None: both kinds of
+    stream are refused the same way before anything else on them is read."""
+    try:
+        first = await asyncio.wait_for(batches.__anext__(), CONTROL_TIMEOUT_S)
+    except (StopAsyncIteration, asyncio.TimeoutError, OSError, KvxferError):
+        return None
+    return first if first.msgs and first.msgs[0].WhichOneof("body") == "hello" else None
+
+
 def creds_of(context: Any) -> PeerCreds:
     """The daemon ids the caller's verified client certificate names (none without mTLS)."""
     ctx = context.auth_context()
@@ -63,13 +76,9 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         )
 
     async def Session(self, request_iterator: AsyncIterator[peer_pb2.PeerBatch], context: Any) -> None:
-        try:
-            first = await asyncio.wait_for(request_iterator.__anext__(), CONTROL_TIMEOUT_S)
-        except (StopAsyncIteration, asyncio.TimeoutError):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a session starts with a Hello")
-            return
-        if not first.msgs or first.msgs[0].WhichOneof("body") != "hello":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a session starts with a Hello")
+        first = await _opening(request_iterator)
+        if first is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, NO_HELLO)
             return
         # Closing an accepted stream means returning from this handler: `done` tells it to.
         done = asyncio.get_running_loop().create_future()
@@ -146,12 +155,9 @@ class WireServer:
             stream.close()
 
     async def _session(self, stream: WireStream) -> None:
-        try:
-            first = await asyncio.wait_for(stream.__anext__(), CONTROL_TIMEOUT_S)
-        except (StopAsyncIteration, asyncio.TimeoutError, OSError, KvxferError):
-            first = None
-        if first is None or not first.msgs or first.msgs[0].WhichOneof("body") != "hello":
-            await stream.refuse(grpc.StatusCode.INVALID_ARGUMENT.value[0], "a session starts with a Hello")
+        first = await _opening(stream)
+        if first is None:
+            await stream.refuse(grpc.StatusCode.INVALID_ARGUMENT.value[0], NO_HELLO)
             return
         session = Session(stream.write, stream.close, "framed")
         try:

@@ -169,30 +169,35 @@ class PeerManager:
         hello = peer_pb2.PeerMsg(hello=peer_pb2.Hello(sender=self._me, peer_instance_id=h.instance_id,
                                                       proof=proof_pb(proof)))
         first = peer_pb2.PeerBatch(msgs=[hello])
-        if h.stream_address and self.config.peer_stream_port >= 0:
-            try:
-                wire = await dial(h.stream_address, self.config, CONTROL_TIMEOUT_S)
-            except (OSError, asyncio.TimeoutError) as exc:
-                # A firewall that lets only the peer port through, say: slower, but it works.
-                logger.warning("peer %s: its control stream at %s is out of reach (%s); using the gRPC "
-                               "Session stream instead", h.daemon_id, h.stream_address, exc or type(exc).__name__)
-            else:
-                try:
-                    # mTLS: the stream's server must be the daemon we handshook with.
-                    self.auth.check_claim(PeerCreds(wire.peer_cert_ids()), h.daemon_id)
-                    await wire.write(first)
-                except BaseException:
-                    wire.close()
-                    raise
-                session = Session(wire.write, wire.close, "framed")
-                self._start_session(h, session)
-                self._spawn(self._read(h, session, wire), f"control stream with {h.address}")
-                return
-        call = h.stub.Session()
-        await call.write(first)
-        session = Session(call.write, call.cancel)
+        opened = await self._dial_framed(h, first)
+        if opened is None:
+            call = h.stub.Session()
+            await call.write(first)
+            opened = Session(call.write, call.cancel), call
+        session, batches = opened
         self._start_session(h, session)
-        self._spawn(self._read(h, session, call), f"session with {h.address}")
+        self._spawn(self._read(h, session, batches), f"{session.kind} control stream with {h.address}")
+
+    async def _dial_framed(self, h: PeerLink, first: peer_pb2.PeerBatch) -> tuple[Session, Any] | None:
+        """The peer's framed stream, opened with `first` sent; None where it names none (or it is off
+        here) or it is out of reach, for the Session RPC to serve instead."""
+        if not h.stream_address or self.config.peer_stream_port < 0:
+            return None
+        try:
+            wire = await dial(h.stream_address, self.config, CONTROL_TIMEOUT_S)
+        except (OSError, asyncio.TimeoutError) as exc:
+            # A firewall that lets only the peer port through, say: slower, but it works.
+            logger.warning("peer %s: its control stream at %s is out of reach (%s); using the gRPC "
+                           "Session stream instead", h.daemon_id, h.stream_address, exc or type(exc).__name__)
+            return None
+        try:
+            # mTLS: the stream's server must be the daemon we handshook with.
+            self.auth.check_claim(PeerCreds(wire.peer_cert_ids()), h.daemon_id)
+            await wire.write(first)
+        except BaseException:
+            wire.close()
+            raise
+        return Session(wire.write, wire.close, "framed"), wire
 
     def _start_session(self, h: PeerLink, session: Session) -> None:
         self._metrics.peer_streams.labels(kind=session.kind).inc()
