@@ -225,14 +225,11 @@ class ConnectorWorker:
             c = ev.landed
             if c is not None and c.chunk_id not in ld.done_chunks:
                 try:
-                    if not ld.cancelled:
-                        self._scatter(rx, ld.spec, c)
+                    self._take(rx, ld, c)
                 except Exception as exc:
                     self._quiet(rx.abort, ev.room, f"decode load failed: {exc}")
                     self._finish(ld, str(exc))
                     continue
-                ld.done_chunks.add(c.chunk_id)
-                ld.tokens += c.num_tokens
                 read.setdefault(ev.room, []).append(c.chunk_id)
             if ev.state is RoomState.FAILED:
                 self._finish(ld, f"{ev.failure_code}: {ev.failure_reason}")
@@ -268,10 +265,7 @@ class ConnectorWorker:
             st = rx.poll(room)
             fresh = [c for c in st.landed if c.chunk_id not in ld.done_chunks]
             for c in fresh:
-                if not ld.cancelled:
-                    self._scatter(rx, ld.spec, c)
-                ld.done_chunks.add(c.chunk_id)
-                ld.tokens += c.num_tokens
+                self._take(rx, ld, c)
             if fresh:
                 rx.watermark(room, [c.chunk_id for c in fresh])
             if st.state is RoomState.FAILED:
@@ -282,6 +276,14 @@ class ConnectorWorker:
         except Exception as exc:
             self._quiet(rx.abort, room, f"decode load failed: {exc}")
             self._finish(ld, str(exc))
+
+    def _take(self, rx: DecodeReceiver, ld: _Load, c: Landed) -> None:
+        """One landed chunk of a load: into the request's blocks (unless the request was cancelled),
+        then counted; a failed scatter counts nothing."""
+        if not ld.cancelled:
+            self._scatter(rx, ld.spec, c)
+        ld.done_chunks.add(c.chunk_id)
+        ld.tokens += c.num_tokens
 
     def _scatter(self, rx: DecodeReceiver, spec: LoadSpec, c: Landed) -> None:
         s = self.shape
