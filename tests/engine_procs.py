@@ -38,9 +38,10 @@ def part_bytes_for(layout: Layout, tp: int, rank: int, room: int, chunk: int, to
 
 def prefill_main(
     socket: str, group: str, layout: Layout, tp: int, rank: int, ring_bytes: int, rooms: list[RoomPlan],
-    result: Any, in_flight: int = 8, timeout: float = 120.0,
+    result: Any, in_flight: int = 8, timeout: float = 120.0, wait: bool = True,
 ) -> None:
-    """Sends every chunk of every room; keeps `in_flight` rooms unfinished at once."""
+    """Sends every chunk of every room; keeps `in_flight` rooms unfinished at once. wait=False:
+    without waiting for each chunk's verdict (PrefillSender.enqueue), all checked at the end."""
     try:
         with PrefillSender(socket=socket, group=group, layout=layout, tp_size=tp, tp_rank=rank,
                            ring_bytes=ring_bytes, name=f"{group}-p{rank}") as tx:
@@ -67,11 +68,15 @@ def prefill_main(
                     data = part_bytes_for(layout, tp, rank, plan.room, cid, ntok)
                     last = cid == len(plan.chunks) - 1
                     aux = b"aux-%d" % plan.room if last else b""
-                    tx.send_chunk(plan.room, cid, start, ntok, data.data, last=last, aux=aux, timeout=timeout)
+                    tx.send_chunk(plan.room, cid, start, ntok, data.data, last=last, aux=aux, timeout=timeout,
+                                  wait=wait)
                     start += ntok
                 pending.append(plan.room)
                 settle(in_flight)
             settle(0)
+            refused = tx.flush()
+            if refused:
+                raise RuntimeError(f"prefill rank {rank}: chunks refused: {refused}")
             result.put(("prefill", group, rank, states, None))
     except Exception:
         result.put(("prefill", group, rank, {}, traceback.format_exc()))

@@ -75,6 +75,8 @@ def build_settings(args: argparse.Namespace) -> Settings:
         s = replace(s, ring_bytes=parse_size(args.ring_bytes))
     if args.point_bytes:
         s = replace(s, point_bytes=parse_size(args.point_bytes))
+    if args.enqueue_wait:
+        s = replace(s, enqueue_wait=True)
     if (shape.head_dim * shape.dtype_bytes) % 8:
         raise SystemExit("kvxferd bench loopback: head_dim x dtype_bytes must be a multiple of 8")
     for c in s.chunk_tokens:
@@ -103,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", help="rooms in flight to sweep (default 1,4,16,64)")
     ap.add_argument("--ring-bytes", help="ring per TP pair and side, also the raw window (default 768MiB)")
     ap.add_argument("--point-bytes", help="KV bytes at least per timed point (default 8GiB)")
+    ap.add_argument("--enqueue-wait", action="store_true",
+                    help="prefill engines wait for each EnqueueChunk's reply (default: they do not; "
+                         "PrefillSender.enqueue(wait=False))")
     ap.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake pair")
     ap.add_argument("--no-reference", action="store_true", help="skip the kvxferd.bench.raw_nixl cross-check")
     ap.add_argument("--profile", metavar="DIR", help="py-spy both daemons during the headline kvxferd point and the mixed-TP points at the headline chunk")
@@ -178,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
                        "rooms admitted after the first N only",
             "checks": "timed chunks: stamps at every head block's start and end (raw: per descriptor); "
                       "verification pass: every byte against a pattern (kvxferd with ragged chunk sizes)",
+            "engines": "kvxfer_client in processes of their own: a prefill rank acquires, stamps and enqueues "
+                       "each chunk " + ("waiting for each reply" if s.enqueue_wait else
+                                        "without waiting for its reply (verdicts checked at the end of a run)")
+                       + "; a decode rank watches, checks each landed chunk and watermarks per batch of events",
             "daemons": "python -m kvxferd serve with the default config except socket, ephemeral 127.0.0.1 ports, "
                        "host_pool_bytes sized for the rings, metrics off",
         },

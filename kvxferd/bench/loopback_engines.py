@@ -194,10 +194,14 @@ class _PrefillEngine:
                 acquire_wait += time.monotonic() - t0
                 self._fill(self.tx.slot_view(slot), p.room, cid, ntok, spec.mode == "full")
                 last = cid == len(p.chunks) - 1
-                self.tx.enqueue(p.room, cid, start, ntok, slot, last=last, aux=b"aux-%d" % p.room if last else b"")
+                self.tx.enqueue(p.room, cid, start, ntok, slot, last=last, aux=b"aux-%d" % p.room if last else b"",
+                                wait=spec.enqueue_wait)
                 start += ntok
                 if spec.mode == "blocking":
                     self._wait_chunk(p.room, cid + 1, deadline)
+        refused = self.tx.flush()
+        if refused:
+            raise RuntimeError(f"chunks refused: {refused[:3]}")
         with self.cond:
             finished = dict(self.finished)
             admit = dict(self.admitted)

@@ -66,7 +66,7 @@ class LoopbackBench(LoopbackRig):
     def kvx_run(self, g: EngineGroup, plans: tuple[RoomPlan, ...], in_flight: int, mode: str,
                 profile: bool = False) -> dict[str, Any]:
         s = self.s
-        spec = RunSpec(f"{g.name}/{mode}", plans, in_flight, mode, s.timeout_s)
+        spec = RunSpec(f"{g.name}/{mode}", plans, in_flight, mode, s.timeout_s, s.enqueue_wait)
         pre = self.daemons["prefill"]
         for d in g.decode:
             d.send("expect", spec, pre.peer_address, f"{g.name}-prefill")

@@ -60,6 +60,7 @@ class Settings:
     headline_repeats: int = 3  # the headline point runs this often (interleaved); ratios use medians
     timeout_s: float = 240.0
     quick: bool = False
+    enqueue_wait: bool = False  # prefill engines wait for each EnqueueChunk's verdict
 
     @property
     def room_bytes(self) -> int:
@@ -102,6 +103,7 @@ class RunSpec:
     in_flight: int
     mode: str  # "stamp" | "full" | "blocking"
     timeout_s: float
+    enqueue_wait: bool = False
 
 
 _MUL = np.uint64(0x9E3779B97F4A7C15)

@@ -7,6 +7,7 @@ Blocking: PrefillSender, DecodeReceiver. asyncio: AsyncPrefillSender, AsyncDecod
 from kvxfer_client._aio import AsyncDecodeReceiver, AsyncPrefillSender, async_daemon_status
 from kvxfer_client._common import (
     Chunk,
+    ChunkRefused,
     KvxferError,
     Landed,
     Layout,
@@ -26,6 +27,7 @@ __all__ = [
     "AsyncDecodeReceiver",
     "AsyncPrefillSender",
     "Chunk",
+    "ChunkRefused",
     "DecodeReceiver",
     "KvxferError",
     "Landed",

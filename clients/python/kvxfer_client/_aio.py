@@ -242,14 +242,16 @@ class AsyncPrefillSender(_AsyncEngineClient):
         """Hands a written chunk over: a slot from acquire(), or (zero-copy engines) its pool pages."""
         c = Chunk(room, chunk_id, token_start, num_tokens, slot, last, aux, generation, tuple(pages))
         req = chunk_request(self.engine_id, c)
-        self.spare.ask(req)
-        extra = self.spare.keep(await self._call(self.stub.EnqueueChunk, req), num_tokens)
+        with self.spare.asking(req) as asked:
+            reply = await self._call(self.stub.EnqueueChunk, req)
+        extra = self.spare.keep(reply, num_tokens, asked)
         if extra is not None:
             await self.release_slot(extra)
 
     async def close(self, unregister: bool = True) -> None:
-        spare = self.spare.drop()
-        if spare is not None and not unregister and self.reg is not None:
+        for spare in self.spare.drop():
+            if unregister or self.reg is None:
+                break
             try:
                 await self.release_slot(spare)
             except KvxferError:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import mmap
@@ -10,7 +11,7 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,6 +128,19 @@ class KvxferError(Exception):
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+
+
+class ChunkRefused(KvxferError):
+    """The daemon refused a chunk sent with enqueue(wait=False): it changed nothing for it, and
+    the chunk's slot is still the engine's; `code` and the message are the daemon's. With
+    UNAVAILABLE or DEADLINE_EXCEEDED the verdict was lost with the connection instead: the
+    chunk may have been taken (the room's events say)."""
+
+    def __init__(self, room: int, chunk_id: int, slot: Slot | None, cause: KvxferError) -> None:
+        super().__init__(cause.code, f"room {room} chunk {chunk_id}: {cause.message}")
+        self.room = room
+        self.chunk_id = chunk_id
+        self.slot = slot
 
 
 class RoomFailed(KvxferError):
@@ -316,45 +330,93 @@ def acquire_request(engine_id: str, num_tokens: int, deadline: float, call_timeo
 
 
 class SpareSlot:
-    """At most one slot that the daemon handed out early, with an accepted chunk
+    """Slots that the daemon handed out early, with accepted chunks
     (EnqueueChunkRequest.next_tokens): an engine that sends chunk after chunk then makes one call
-    per chunk instead of two, and AcquireSlot is left for waiting on a full ring."""
+    per chunk instead of two, and AcquireSlot is left for waiting on a full ring.
 
-    def __init__(self, enabled: bool) -> None:
+    depth: how many it holds and asks for at once. One is enough while each enqueue waits for its
+    reply; an engine that does not wait (PrefillSender.enqueue(wait=False)) holds two, so the
+    next chunk's slot is already here while the last chunk's reply is still on its way."""
+
+    def __init__(self, enabled: bool, depth: int = 1) -> None:
         self.enabled = enabled
+        self.depth = depth
         self._lock = threading.Lock()
-        self._held: tuple[int, Slot] | None = None
+        self._held: list[tuple[int, Slot]] = []
+        self._asked = 0  # asks whose replies are still to come
+        self._surplus: list[Slot] = []  # spares to give back at the next call (give_back)
 
     def take(self, num_tokens: int) -> tuple[Slot | None, Slot | None]:
-        """(the held slot if it was sized for num_tokens, else a held slot to give back)."""
+        """(a held slot sized for num_tokens, else None; a held slot of another size to give back,
+        so that a change of chunk size does not leave the spares stuck)."""
         with self._lock:
-            held, self._held = self._held, None
-        if held is None:
-            return None, None
-        return (held[1], None) if held[0] == num_tokens else (None, held[1])
+            for i, (tokens, slot) in enumerate(self._held):
+                if tokens == num_tokens:
+                    del self._held[i]
+                    return slot, None
+            stale = self._held.pop(0)[1] if self._held else None
+        return None, stale
 
-    def ask(self, req: engine_pb2.EnqueueChunkRequest) -> None:
+    def ask(self, req: engine_pb2.EnqueueChunkRequest, depth: int | None = None) -> bool:
+        """Asks for a spare in `req` when fewer than `depth` (at most the constructor's) are held
+        or asked for; says whether it did (the reply, or its failure, must then reach keep() or
+        settle())."""
         # Only slot-based chunks: a zero-copy engine has no slots.
         if self.enabled and req.HasField("slot"):
             with self._lock:
-                if self._held is None:
+                if len(self._held) + self._asked < min(self.depth, depth or self.depth):
+                    self._asked += 1
                     req.next_tokens = req.num_tokens
+                    return True
+        return False
 
-    def keep(self, reply: engine_pb2.EnqueueChunkReply, num_tokens: int) -> Slot | None:
-        """Holds the reply's slot; returns one that must be given back (another thread's reply won)."""
-        if not reply.HasField("next_slot"):
-            return None
-        slot = Slot(reply.next_slot.offset, reply.next_slot.length, reply.next_chunk_bytes)
+    @contextlib.contextmanager
+    def asking(self, req: engine_pb2.EnqueueChunkRequest, depth: int | None = None) -> Iterator[bool]:
+        """ask() around the call that carries `req`: a call that fails settles the ask."""
+        asked = self.ask(req, depth)
+        try:
+            yield asked
+        except BaseException:
+            if asked:
+                self.settle()
+            raise
+
+    def keep(self, reply: engine_pb2.EnqueueChunkReply, num_tokens: int, asked: bool = True) -> Slot | None:
+        """Holds the reply's slot; returns one that must be given back (other threads' replies
+        filled the place)."""
         with self._lock:
-            if self._held is None:
-                self._held = (num_tokens, slot)
+            if asked:
+                self._asked = max(0, self._asked - 1)
+            if not reply.HasField("next_slot"):
+                return None
+            slot = Slot(reply.next_slot.offset, reply.next_slot.length, reply.next_chunk_bytes)
+            if len(self._held) < self.depth:
+                self._held.append((num_tokens, slot))
                 return None
         return slot
 
-    def drop(self) -> Slot | None:
+    def settle(self) -> None:
+        """An ask whose call failed: no slot will come from it."""
         with self._lock:
-            held, self._held = self._held, None
-        return held[1] if held is not None else None
+            self._asked = max(0, self._asked - 1)
+
+    def give_back(self, slot: Slot) -> None:
+        """A spare that found no place, kept for the owner's next call to release (a reply read
+        inside another call must not start one)."""
+        with self._lock:
+            self._surplus.append(slot)
+
+    def surplus(self) -> list[Slot]:
+        with self._lock:
+            out, self._surplus = self._surplus, []
+        return out
+
+    def drop(self) -> list[Slot]:
+        """Every held slot (the client is closing), for giving back."""
+        with self._lock:
+            held, self._held = self._held, []
+            out, self._surplus = self._surplus, []
+        return out + [slot for _, slot in held]
 
 
 def room_pb(room: int, generation: int = 0) -> common_pb2.RoomKey:

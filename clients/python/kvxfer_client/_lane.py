@@ -16,7 +16,7 @@ import socket
 import struct
 import threading
 import weakref
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 import grpc
@@ -82,6 +82,30 @@ def _result(name: str, code: int, payload: bytes) -> Any:
     return _REPLY_CLASSES[name].FromString(payload)
 
 
+def _settler(name: str, on_reply: Callable[[Any], None]) -> Callable[[Any], None]:
+    """What a deferred call's reply frame, (code, payload), or the KvxferError of its lost
+    connection goes through: on_reply gets the reply message or a KvxferError."""
+    def settle(got: Any) -> None:
+        if not isinstance(got, KvxferError):
+            try:
+                got = _result(name, *got)
+            except KvxferError as exc:
+                got = exc
+        on_reply(got)
+    return settle
+
+
+class _Conn:
+    """One thread's connection: its socket, the bytes read past the last whole reply, and the
+    calls sent without waiting (send_deferred) whose replies are still to be read."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.pid = os.getpid()
+        self.buf = bytearray()
+        self.deferred: dict[int, Callable[[Any], None]] = {}
+
+
 class SyncLane:
     """One connection per calling thread (a waiting AcquireSlot holds only its own thread)."""
 
@@ -96,10 +120,10 @@ class SyncLane:
         self._streams: weakref.WeakSet[LaneStream] = weakref.WeakSet()
         self._closed = False
 
-    def _sock(self) -> socket.socket:
-        sock: socket.socket | None = getattr(self._local, "sock", None)
-        if sock is not None and self._local.pid == os.getpid():
-            return sock
+    def _conn(self) -> _Conn:
+        conn: _Conn | None = getattr(self._local, "conn", None)
+        if conn is not None and conn.pid == os.getpid():
+            return conn
         if self._closed:
             raise KvxferError(grpc.StatusCode.CANCELLED, "the client is closed")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -108,16 +132,20 @@ class SyncLane:
         except OSError as exc:
             sock.close()
             raise KvxferError(grpc.StatusCode.UNAVAILABLE, f"cannot reach the daemon's lane {self.path}: {exc}") from None
-        self._local.sock, self._local.pid = sock, os.getpid()
+        conn = self._local.conn = _Conn(sock)
         with self._lock:
             self._open.add(sock)
-        return sock
+        return conn
 
-    def _drop(self, sock: socket.socket) -> None:
-        self._local.sock = None
+    def _drop(self, conn: _Conn, error: KvxferError) -> None:
+        """Closes a connection that is out of step or gone; its deferred calls get `error`."""
+        self._local.conn = None
         with self._lock:
-            self._open.discard(sock)
-        sock.close()
+            self._open.discard(conn.sock)
+        conn.sock.close()
+        deferred, conn.deferred = conn.deferred, {}
+        for on_reply in deferred.values():
+            on_reply(error)
 
     def call(self, name: str, req: Any, timeout: float | None = None) -> Any:
         (out,) = self.call_pipelined(name, (req,), timeout)
@@ -135,11 +163,12 @@ class SyncLane:
 
         one_write: small requests leave together in one write instead, so the daemon reads them
         in one wake-up and answers them in one write."""
-        sock = self._sock()
-        sock.settimeout(timeout)
+        conn = self._conn()
+        sock = conn.sock
         want: dict[int, int] = {}
         held: list[bytes] = []
         try:
+            sock.settimeout(timeout)
             for req in reqs:
                 call_id = next(self._ids) & 0xFFFFFFFF
                 want[call_id] = len(want)
@@ -151,25 +180,94 @@ class SyncLane:
             if held:
                 sock.sendall(b"".join(held))
             out: list[Any] = [None] * len(want)
-            buf = bytearray()
             left = len(want)
             while left:
-                got_id, code, payload = _read_frame(sock, buf)
+                got_id, code, payload = _read_frame(sock, conn.buf)
                 i = want.pop(got_id, None)
                 if i is None:
-                    continue  # not ours (cannot happen: one thread, one connection); never misread
+                    self._settle(conn, got_id, code, payload)  # an earlier deferred call's reply
+                    continue
                 left -= 1
                 try:
                     out[i] = _result(name, code, payload)
                 except KvxferError as exc:
                     out[i] = exc
         except TimeoutError:
-            self._drop(sock)  # its replies may still come: this connection is out of step now
-            raise KvxferError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{name}: no reply within {timeout} s") from None
+            # Its replies may still come: this connection is out of step now.
+            error = KvxferError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{name}: no reply within {timeout} s")
+            self._drop(conn, error)
+            raise error from None
         except OSError as exc:
-            self._drop(sock)
-            raise KvxferError(grpc.StatusCode.UNAVAILABLE, f"{name}: the daemon's lane closed: {exc}") from None
+            error = KvxferError(grpc.StatusCode.UNAVAILABLE, f"{name}: the daemon's lane closed: {exc}")
+            self._drop(conn, error)
+            raise error from None
         return out
+
+    # ------------------------------------------------------------------ calls not waited for
+
+    def send_deferred(self, name: str, req: Any, on_reply: Callable[[Any], None],
+                      timeout: float | None = None) -> None:
+        """Sends one call of `name` without waiting for its reply: on_reply gets the reply or its
+        KvxferError later, from whichever of this thread's calls reads it (any call, poll_deferred
+        or wait_deferred). The daemon serves a connection's calls in order, so a later call's
+        reply always comes after it."""
+        conn = self._conn()
+        call_id = next(self._ids) & 0xFFFFFFFF
+        conn.deferred[call_id] = _settler(name, on_reply)
+        try:
+            conn.sock.settimeout(timeout)
+            conn.sock.sendall(_frame(name, call_id, timeout, req))
+        except OSError as exc:
+            self._drop(conn, KvxferError(grpc.StatusCode.UNAVAILABLE, f"{name}: the daemon's lane closed: {exc}"))
+
+    def deferred(self) -> int:
+        """This thread's deferred calls whose replies are not read yet."""
+        conn: _Conn | None = getattr(self._local, "conn", None)
+        return len(conn.deferred) if conn is not None and conn.pid == os.getpid() else 0
+
+    def poll_deferred(self) -> None:
+        """Reads, without blocking, every reply already here for this thread's deferred calls."""
+        conn: _Conn | None = getattr(self._local, "conn", None)
+        if conn is None or not conn.deferred or conn.pid != os.getpid():
+            return
+        try:
+            while True:
+                data = conn.sock.recv(1 << 16, socket.MSG_DONTWAIT)
+                if not data:
+                    raise ConnectionResetError("connection closed by the daemon")
+                conn.buf += data
+                if len(data) < 1 << 16:
+                    break
+        except BlockingIOError:
+            pass
+        except OSError as exc:
+            self._drop(conn, KvxferError(grpc.StatusCode.UNAVAILABLE, f"the daemon's lane closed: {exc}"))
+            return
+        while _frame_end(conn.buf):
+            got_id, code, payload = _read_frame(conn.sock, conn.buf)
+            self._settle(conn, got_id, code, payload)
+
+    def wait_deferred(self, timeout: float | None = None) -> None:
+        """Blocks until every deferred call of this thread has its reply (each goes to its
+        on_reply); a daemon that stays silent for `timeout` fails them DEADLINE_EXCEEDED."""
+        conn: _Conn | None = getattr(self._local, "conn", None)
+        if conn is None or conn.pid != os.getpid():
+            return
+        try:
+            conn.sock.settimeout(timeout)
+            while conn.deferred:
+                got_id, code, payload = _read_frame(conn.sock, conn.buf)
+                self._settle(conn, got_id, code, payload)
+        except TimeoutError:
+            self._drop(conn, KvxferError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply within {timeout} s"))
+        except OSError as exc:
+            self._drop(conn, KvxferError(grpc.StatusCode.UNAVAILABLE, f"the daemon's lane closed: {exc}"))
+
+    @staticmethod
+    def _settle(conn: _Conn, call_id: int, code: int, payload: bytes) -> None:
+        on_reply = conn.deferred.pop(call_id, None)
+        if on_reply is not None:  # else not ours (cannot happen: one thread, one connection)
+            on_reply((code, payload))
 
     def stream(self, name: str, req: Any, reply_cls: Any) -> LaneStream:
         """A server stream on a connection of its own (a watcher blocks its thread in recv)."""

@@ -14,6 +14,7 @@ from kvxfer_client._common import (
     PIPELINE_PART,
     RING_READY_TIMEOUT_S,
     Chunk,
+    ChunkRefused,
     KvxferError,
     Landed,
     Layout,
@@ -242,13 +243,17 @@ class PrefillSender(_EngineClient):
     role = engine_pb2.ROLE_PREFILL
 
     def __init__(self, *, prefetch_slots: bool = True, **kwargs: Any) -> None:
-        """prefetch_slots: each enqueue() also asks for the next slot, of the same size (see SpareSlot)."""
-        self.spare = SpareSlot(prefetch_slots)
+        """prefetch_slots: each enqueue() also asks for a next slot, of the same size (see SpareSlot)."""
+        self.spare = SpareSlot(prefetch_slots, depth=2)
+        # Refusals of chunks sent with enqueue(wait=False), oldest first: the next call raises them.
+        self._refused: list[ChunkRefused] = []
+        self._refused_lock = threading.Lock()
         super().__init__(**kwargs)
 
     def acquire(self, num_tokens: int, timeout: float = 30.0) -> Slot:
         """A slot for `num_tokens` tokens; while the ring is full the daemon holds the call until
         a transfer frees one (no polling), up to `timeout`."""
+        self._settle_deferred()
         spare, stale = self.spare.take(num_tokens)
         if stale is not None:
             self.release_slot(stale)
@@ -274,22 +279,85 @@ class PrefillSender(_EngineClient):
     def enqueue(
         self, room: int, chunk_id: int, token_start: int, num_tokens: int, slot: Slot | None = None,
         last: bool = False, aux: bytes = b"", generation: int = 0, pages: Sequence[int] = (),
+        wait: bool = True,
     ) -> None:
-        """Hands a written chunk over: a slot from acquire(), or (zero-copy engines) its pool pages."""
+        """Hands a written chunk over: a slot from acquire(), or (zero-copy engines) its pool pages.
+
+        wait=False (over the daemon's lane; over gRPC it waits anyway): returns once the request
+        is written, without waiting for the daemon's verdict. The engine then fills its next
+        chunk while the daemon takes this one, and a slot for the next chunk comes back with
+        the verdict (two are held ahead, so acquire() does not wait for it). A refused chunk
+        is raised as ChunkRefused (its room, chunk and slot; the daemon changed nothing for it
+        and the slot is still the engine's) by this thread's next acquire() or enqueue(),
+        before that call does anything, or returned by flush(). Every call of this client
+        that reads from the lane also reads the verdicts that are there."""
         c = Chunk(room, chunk_id, token_start, num_tokens, slot, last, aux, generation, tuple(pages))
+        lane = self.stub.lane
+        deferred = not wait and isinstance(lane, SyncLane)
+        self._settle_deferred()
         req = chunk_request(self.engine_id, c)
-        self.spare.ask(req)
-        extra = self.spare.keep(self._call(self.stub.EnqueueChunk, req), num_tokens)
+        if deferred:
+            assert isinstance(lane, SyncLane)
+            asked = self.spare.ask(req)
+            lane.send_deferred("EnqueueChunk", req, lambda got: self._verdict(c, asked, got), self._timeout)
+            return
+        with self.spare.asking(req, depth=1) as asked:
+            reply = self._call(self.stub.EnqueueChunk, req)
+        extra = self.spare.keep(reply, num_tokens, asked)
         if extra is not None:
             self.release_slot(extra)
 
+    def flush(self, timeout: float | None = None) -> list[ChunkRefused]:
+        """Waits for the daemon's verdict on every chunk this thread sent with enqueue(wait=False)
+        and returns the refusals not raised yet, oldest first (an engine that sends a batch
+        of chunks this way and flushes once learns every verdict for one round trip). A daemon
+        that stays silent for `timeout` (the call timeout by default) or goes away refuses
+        what is outstanding with DEADLINE_EXCEEDED or UNAVAILABLE."""
+        lane = self.stub.lane
+        if isinstance(lane, SyncLane):
+            lane.wait_deferred(timeout or self._timeout)
+        with self._refused_lock:
+            refused, self._refused = self._refused, []
+        return refused
+
+    def _verdict(self, c: Chunk, asked: bool, got: Any) -> None:
+        """The reply to an enqueue(wait=False), read by a later call on the same thread."""
+        if isinstance(got, KvxferError):
+            if asked:
+                self.spare.settle()
+            with self._refused_lock:
+                self._refused.append(ChunkRefused(c.room, c.chunk_id, c.slot, got))
+            return
+        extra = self.spare.keep(got, c.num_tokens, asked)
+        if extra is not None:
+            self.spare.give_back(extra)
+
+    def _settle_deferred(self) -> None:
+        """Reads the verdicts that are already here, gives back surplus spares, raises a refusal."""
+        lane = self.stub.lane
+        if isinstance(lane, SyncLane) and lane.deferred():
+            lane.poll_deferred()
+        for extra in self.spare.surplus():
+            self.release_slot(extra)
+        self._raise_refused()
+
+    def _raise_refused(self) -> None:
+        with self._refused_lock:
+            refused = self._refused.pop(0) if self._refused else None
+        if refused is not None:
+            raise refused
+
     def close(self, unregister: bool = True) -> None:
-        spare = self.spare.drop()
-        if spare is not None and not unregister and not self._closed.is_set():
-            try:
-                self.release_slot(spare)
-            except KvxferError:
-                pass  # the daemon frees it with the engine's lease anyway
+        lane = self.stub.lane
+        if isinstance(lane, SyncLane) and not self._closed.is_set():
+            lane.wait_deferred(self._timeout)  # what was sent goes in before the engine leaves
+        spares = self.spare.drop()
+        if not unregister and not self._closed.is_set():
+            for spare in spares:
+                try:
+                    self.release_slot(spare)
+                except KvxferError:
+                    break  # the daemon frees it with the engine's lease anyway
         super().close(unregister)
 
     def enqueue_many(self, chunks: Sequence[Chunk]) -> list[KvxferError | None]:
@@ -318,9 +386,11 @@ class PrefillSender(_EngineClient):
 
     def send_chunk(
         self, room: int, chunk_id: int, token_start: int, num_tokens: int, data: bytes | memoryview,
-        last: bool = False, aux: bytes = b"", generation: int = 0, timeout: float = 30.0,
+        last: bool = False, aux: bytes = b"", generation: int = 0, timeout: float = 30.0, wait: bool = True,
     ) -> Slot:
-        """Convenience: acquire a slot, copy `data` (the chunk in slot layout) into it, enqueue."""
+        """Convenience: acquire a slot, copy `data` (the chunk in slot layout) into it, enqueue.
+        A chunk refused at once gives its slot back; with wait=False the refusal comes later
+        (see enqueue) with the slot, which is then the engine's to release."""
         slot = self.acquire(num_tokens, timeout)
         mv = memoryview(data).cast("B")
         if mv.nbytes != slot.chunk_bytes:
@@ -328,7 +398,7 @@ class PrefillSender(_EngineClient):
             raise ValueError(f"chunk data is {mv.nbytes} B; {num_tokens} tokens need {slot.chunk_bytes} B")
         self.slot_view(slot)[:] = mv
         try:
-            self.enqueue(room, chunk_id, token_start, num_tokens, slot, last, aux, generation)
+            self.enqueue(room, chunk_id, token_start, num_tokens, slot, last, aux, generation, wait=wait)
         except KvxferError:
             self.release_slot(slot)
             raise

@@ -20,14 +20,17 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import grpc
 import torch
 
-from kvxfer_client._common import KvxferError, Landed, Layout, RoomEvent, RoomState
+from kvxfer_client._common import ChunkRefused, KvxferError, Landed, Layout, RoomEvent, RoomState
 from kvxfer_client._sync import DecodeReceiver, PrefillSender
 from kvxfer_client.vllm import _paged
 from kvxfer_client.vllm._config import LoadSpec, SendChunk, Settings, StepPlan
 
 logger = logging.getLogger(__name__)
+# Verdicts lost with the lane's connection: the daemon may have taken the chunk and its slot.
+_VERDICT_LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 # With no event for this long while loads are active, the watcher polls every active room itself:
 # the safety net for an event lost with a broken stream (a reconnected stream also starts a sweep).
@@ -109,12 +112,27 @@ class ConnectorWorker:
         for room in plan.aborts:
             self._quiet(tx.abort, room, "request ended before its prompt was computed")
         for c in plan.sends:
-            try:
-                self._send(tx, c)
-            except Exception as exc:
-                # The decode side must hear of it now, not at the room deadline.
-                logger.error("request %s room %d chunk %d: %s", c.req_id, c.room, c.chunk_id, exc)
-                self._quiet(tx.abort, c.room, f"prefill gather/enqueue failed: {exc}")
+            while True:
+                try:
+                    self._send(tx, c)
+                except ChunkRefused as exc:
+                    # An earlier chunk of this step, refused; this one was not sent: again.
+                    self._refused(tx, exc)
+                    continue
+                except Exception as exc:
+                    # The decode side must hear of it now, not at the room deadline.
+                    logger.error("request %s room %d chunk %d: %s", c.req_id, c.room, c.chunk_id, exc)
+                    self._quiet(tx.abort, c.room, f"prefill gather/enqueue failed: {exc}")
+                break
+        # The step's chunks went without waiting for each verdict: all of them, in one round trip.
+        for refused in tx.flush():
+            self._refused(tx, refused)
+
+    def _refused(self, tx: PrefillSender, exc: ChunkRefused) -> None:
+        logger.error("room %d chunk %d: %s", exc.room, exc.chunk_id, exc)
+        if exc.slot is not None and exc.code not in _VERDICT_LOST:
+            self._quiet(tx.release_slot, exc.slot)  # still ours: the daemon took nothing
+        self._quiet(tx.abort, exc.room, f"prefill enqueue refused: {exc.message}")
 
     def _send(self, tx: PrefillSender, c: SendChunk) -> None:
         n = c.end - c.start
@@ -126,7 +144,7 @@ class ConnectorWorker:
             blocks, offsets = _paged.token_index(c.block_ids, c.first_block, c.start, c.end, s.block_size, s.kernel_block_size,
                                                  s.planes[0].k.device)
             _paged.gather(s.planes, blocks, offsets, dst)
-            tx.enqueue(c.room, c.chunk_id, c.start, n, slot, last=c.last)
+            tx.enqueue(c.room, c.chunk_id, c.start, n, slot, last=c.last, wait=False)
         except BaseException:
             self._quiet(tx.release_slot, slot)
             raise
