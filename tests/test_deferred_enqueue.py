@@ -60,6 +60,7 @@ def test_a_refused_chunk_reaches_the_engine_and_changes_nothing(daemons: Any) ->
         assert isinstance(refused, ChunkRefused)
         assert (refused.room, refused.chunk_id, refused.slot) == (1, 0, bad)
         assert refused.code == grpc.StatusCode.INVALID_ARGUMENT and "room 1 chunk 0" in str(refused)
+        assert not refused.lost  # the daemon's verdict: the slot is still ours
         assert tx.flush() == []  # returned once
         # Nothing changed: the room does not exist, the slot is still the engine's and goes in.
         assert status(d.socket).rooms_by_state.get("BOOTSTRAPPING", 0) == 0
@@ -91,6 +92,7 @@ def test_a_silent_daemon_does_not_hang_the_engine(daemons: Any) -> None:
             tx.enqueue(1, 0, 0, 8, slot, last=True, wait=False)  # the request sits in the socket
             (lost,) = tx.flush(timeout=0.5)
             assert lost.code == grpc.StatusCode.DEADLINE_EXCEEDED and (lost.room, lost.chunk_id) == (1, 0)
+            assert lost.lost  # no verdict: the daemon may have taken the chunk
         finally:
             os.kill(d.proc.pid, signal.SIGCONT)
         # The connection that fell out of step is gone; the next calls open another.

@@ -130,17 +130,23 @@ class KvxferError(Exception):
         self.message = message
 
 
+class ReplyLost(KvxferError):
+    """The connection to the daemon went (or fell silent) before a call's reply came: whether
+    the daemon carried the call out is unknown."""
+
+
 class ChunkRefused(KvxferError):
-    """The daemon refused a chunk sent with enqueue(wait=False): it changed nothing for it, and
-    the chunk's slot is still the engine's; `code` and the message are the daemon's. With
-    UNAVAILABLE or DEADLINE_EXCEEDED the verdict was lost with the connection instead: the
-    chunk may have been taken (the room's events say)."""
+    """A chunk sent with enqueue(wait=False) that did not go in. Unless `lost`, the daemon refused
+    it (`code` and the message are the daemon's): it changed nothing for it, and the chunk's slot
+    is still the engine's. `lost`: the verdict went with the connection (UNAVAILABLE or
+    DEADLINE_EXCEEDED from the client); the chunk may have been taken (the room's events say)."""
 
     def __init__(self, room: int, chunk_id: int, slot: Slot | None, cause: KvxferError) -> None:
         super().__init__(cause.code, f"room {room} chunk {chunk_id}: {cause.message}")
         self.room = room
         self.chunk_id = chunk_id
         self.slot = slot
+        self.lost = isinstance(cause, ReplyLost)
 
 
 class RoomFailed(KvxferError):

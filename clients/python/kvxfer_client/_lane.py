@@ -22,7 +22,7 @@ from typing import Any
 import grpc
 from google.protobuf.message_factory import GetMessageClass
 
-from kvxfer_client._common import KvxferError
+from kvxfer_client._common import KvxferError, ReplyLost
 from kvxfer_client._pb.kvxfer.v1 import engine_pb2
 
 REQUEST = struct.Struct("<IIIB")
@@ -120,9 +120,14 @@ class SyncLane:
         self._streams: weakref.WeakSet[LaneStream] = weakref.WeakSet()
         self._closed = False
 
-    def _conn(self) -> _Conn:
+    def _current(self) -> _Conn | None:
+        """This thread's connection, if it opened one in this process."""
         conn: _Conn | None = getattr(self._local, "conn", None)
-        if conn is not None and conn.pid == os.getpid():
+        return conn if conn is not None and conn.pid == os.getpid() else None
+
+    def _conn(self) -> _Conn:
+        conn = self._current()
+        if conn is not None:
             return conn
         if self._closed:
             raise KvxferError(grpc.StatusCode.CANCELLED, "the client is closed")
@@ -137,8 +142,13 @@ class SyncLane:
             self._open.add(sock)
         return conn
 
-    def _drop(self, conn: _Conn, error: KvxferError) -> None:
-        """Closes a connection that is out of step or gone; its deferred calls get `error`."""
+    def _lose(self, conn: _Conn, exc: OSError, what: str, timeout: float | None) -> ReplyLost:
+        """Closes a connection that timed out (out of step now: its replies may still come) or
+        failed; its deferred calls, and the caller, get the error returned."""
+        if isinstance(exc, TimeoutError):
+            error = ReplyLost(grpc.StatusCode.DEADLINE_EXCEEDED, f"{what}no reply within {timeout} s")
+        else:
+            error = ReplyLost(grpc.StatusCode.UNAVAILABLE, f"{what}the daemon's lane closed: {exc}")
         self._local.conn = None
         with self._lock:
             self._open.discard(conn.sock)
@@ -146,6 +156,7 @@ class SyncLane:
         deferred, conn.deferred = conn.deferred, {}
         for on_reply in deferred.values():
             on_reply(error)
+        return error
 
     def call(self, name: str, req: Any, timeout: float | None = None) -> Any:
         (out,) = self.call_pipelined(name, (req,), timeout)
@@ -192,15 +203,8 @@ class SyncLane:
                     out[i] = _result(name, code, payload)
                 except KvxferError as exc:
                     out[i] = exc
-        except TimeoutError:
-            # Its replies may still come: this connection is out of step now.
-            error = KvxferError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{name}: no reply within {timeout} s")
-            self._drop(conn, error)
-            raise error from None
         except OSError as exc:
-            error = KvxferError(grpc.StatusCode.UNAVAILABLE, f"{name}: the daemon's lane closed: {exc}")
-            self._drop(conn, error)
-            raise error from None
+            raise self._lose(conn, exc, f"{name}: ", timeout) from None
         return out
 
     # ------------------------------------------------------------------ calls not waited for
@@ -218,17 +222,17 @@ class SyncLane:
             conn.sock.settimeout(timeout)
             conn.sock.sendall(_frame(name, call_id, timeout, req))
         except OSError as exc:
-            self._drop(conn, KvxferError(grpc.StatusCode.UNAVAILABLE, f"{name}: the daemon's lane closed: {exc}"))
+            self._lose(conn, exc, f"{name}: ", timeout)
 
     def deferred(self) -> int:
         """This thread's deferred calls whose replies are not read yet."""
-        conn: _Conn | None = getattr(self._local, "conn", None)
-        return len(conn.deferred) if conn is not None and conn.pid == os.getpid() else 0
+        conn = self._current()
+        return len(conn.deferred) if conn is not None else 0
 
     def poll_deferred(self) -> None:
         """Reads, without blocking, every reply already here for this thread's deferred calls."""
-        conn: _Conn | None = getattr(self._local, "conn", None)
-        if conn is None or not conn.deferred or conn.pid != os.getpid():
+        conn = self._current()
+        if conn is None or not conn.deferred:
             return
         try:
             while True:
@@ -241,7 +245,7 @@ class SyncLane:
         except BlockingIOError:
             pass
         except OSError as exc:
-            self._drop(conn, KvxferError(grpc.StatusCode.UNAVAILABLE, f"the daemon's lane closed: {exc}"))
+            self._lose(conn, exc, "", None)
             return
         while _frame_end(conn.buf):
             got_id, code, payload = _read_frame(conn.sock, conn.buf)
@@ -250,18 +254,16 @@ class SyncLane:
     def wait_deferred(self, timeout: float | None = None) -> None:
         """Blocks until every deferred call of this thread has its reply (each goes to its
         on_reply); a daemon that stays silent for `timeout` fails them DEADLINE_EXCEEDED."""
-        conn: _Conn | None = getattr(self._local, "conn", None)
-        if conn is None or conn.pid != os.getpid():
+        conn = self._current()
+        if conn is None:
             return
         try:
             conn.sock.settimeout(timeout)
             while conn.deferred:
                 got_id, code, payload = _read_frame(conn.sock, conn.buf)
                 self._settle(conn, got_id, code, payload)
-        except TimeoutError:
-            self._drop(conn, KvxferError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply within {timeout} s"))
         except OSError as exc:
-            self._drop(conn, KvxferError(grpc.StatusCode.UNAVAILABLE, f"the daemon's lane closed: {exc}"))
+            self._lose(conn, exc, "", timeout)
 
     @staticmethod
     def _settle(conn: _Conn, call_id: int, code: int, payload: bytes) -> None:

@@ -292,12 +292,10 @@ class PrefillSender(_EngineClient):
         before that call does anything, or returned by flush(). Every call of this client
         that reads from the lane also reads the verdicts that are there."""
         c = Chunk(room, chunk_id, token_start, num_tokens, slot, last, aux, generation, tuple(pages))
-        lane = self.stub.lane
-        deferred = not wait and isinstance(lane, SyncLane)
         self._settle_deferred()
         req = chunk_request(self.engine_id, c)
-        if deferred:
-            assert isinstance(lane, SyncLane)
+        lane = self.stub.lane
+        if not wait and isinstance(lane, SyncLane):
             asked = self.spare.ask(req)
             lane.send_deferred("EnqueueChunk", req, lambda got: self._verdict(c, asked, got), self._timeout)
             return
@@ -335,8 +333,8 @@ class PrefillSender(_EngineClient):
     def _settle_deferred(self) -> None:
         """Reads the verdicts that are already here, gives back surplus spares, raises a refusal."""
         lane = self.stub.lane
-        if isinstance(lane, SyncLane) and lane.deferred():
-            lane.poll_deferred()
+        if isinstance(lane, SyncLane):
+            lane.poll_deferred()  # returns at once when nothing was sent without waiting
         for extra in self.spare.surplus():
             self.release_slot(extra)
         self._raise_refused()

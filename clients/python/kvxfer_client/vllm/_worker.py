@@ -20,7 +20,6 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-import grpc
 import torch
 
 from kvxfer_client._common import ChunkRefused, KvxferError, Landed, Layout, RoomEvent, RoomState
@@ -29,8 +28,6 @@ from kvxfer_client.vllm import _paged
 from kvxfer_client.vllm._config import LoadSpec, SendChunk, Settings, StepPlan
 
 logger = logging.getLogger(__name__)
-# Verdicts lost with the lane's connection: the daemon may have taken the chunk and its slot.
-_VERDICT_LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 # With no event for this long while loads are active, the watcher polls every active room itself:
 # the safety net for an event lost with a broken stream (a reconnected stream also starts a sweep).
@@ -130,7 +127,7 @@ class ConnectorWorker:
 
     def _refused(self, tx: PrefillSender, exc: ChunkRefused) -> None:
         logger.error("room %d chunk %d: %s", exc.room, exc.chunk_id, exc)
-        if exc.slot is not None and exc.code not in _VERDICT_LOST:
+        if exc.slot is not None and not exc.lost:
             self._quiet(tx.release_slot, exc.slot)  # still ours: the daemon took nothing
         self._quiet(tx.abort, exc.room, f"prefill enqueue refused: {exc.message}")
 
