@@ -224,6 +224,7 @@ async def _start(d: _Daemon, ready: Callable[[Ready], None] | None) -> None:
     d.node = node = Node(config, pool, metrics, ident)
     d.workers = workers = WorkerPool(transport, loop, config.transfer_workers,
                                      join_notifs=join_notifs if config.merge_writes else None,
+                                     merge_max_bytes=config.merge_max_bytes,
                                      post_delay=delays.take if config.fault_injection else None)
     d.peers = peers = PeerManager(ident, config, transport, workers, metrics, node, node.spawn)
     node.attach(workers, peers.window, peers.connect, peers.all)

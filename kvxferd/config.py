@@ -120,6 +120,12 @@ class Config:
     # WRITEs of one room queued behind a busy transfer thread go as one (kvxferd.workers): one
     # post and one notification for several small parts. Off: each chunk is its own WRITE.
     merge_writes: bool = True
+    # ... up to this many bytes in one WRITE: its fixed cost (post, completion, notification on both
+    # daemons) is shared by its parts, while a bigger one holds its first part's slot until the copies
+    # behind it are done. 64 MiB lets three 20 MiB chunks go as one; against 16 MiB, interleaved on
+    # the 2-core VM: CPU per GB 1.44-1.49x raw NIXL vs 1.54-1.64x, throughput 1.10-1.18x vs
+    # 1.02-1.14x; neutral on 16 cores (bench/results/merge-bytes-ab-*.json).
+    merge_max_bytes: int = 64 << 20
     # A reader ring is granted to a prefill daemon in windows of ring_size / credit_split bytes
     # (more windows on demand): 1 gives one peer the whole ring at once, larger values share a
     # decode engine's ring more evenly among many prefill daemons.
@@ -205,6 +211,8 @@ class Config:
             raise ConfigError(f"host_pool_bytes must be at least 1 MiB, got {self.host_pool_bytes}")
         if not 0 <= self.workers <= 256:
             raise ConfigError(f"workers must be 0 (auto) or 1..256, got {self.workers}")
+        if not (1 << 20) <= self.merge_max_bytes <= (1 << 30):
+            raise ConfigError(f"merge_max_bytes must be 1 MiB..1 GiB, got {self.merge_max_bytes}")
         if not 1 <= self.credit_split <= 1024:
             raise ConfigError(f"credit_split must be 1..1024, got {self.credit_split}")
         # Upper bounds too: the same ranges callers get (deadline_ms, lease_ms), and no timer that
@@ -384,7 +392,7 @@ def _coerce(key: str, value: Any) -> Any:
     f = _FIELDS[key]
     typ = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
     try:
-        if key in ("host_pool_bytes", "max_message_bytes", "max_peer_metadata_bytes"):
+        if key in ("host_pool_bytes", "max_message_bytes", "max_peer_metadata_bytes", "merge_max_bytes"):
             return parse_size(value)
         if key == "socket_mode":
             if isinstance(value, str):

@@ -13,7 +13,7 @@ two UCX workers 9.4 GB/s; two threads sharing one UCX worker 5.9 GB/s at twice t
 spinning on its lock).
 
 Jobs that wait in one thread's queue together and carry the same merge key (the scheduler
-uses the room) go as one WRITE, up to _MERGE_MAX jobs and _MERGE_MAX_BYTES, with one
+uses the room) go as one WRITE, up to _MERGE_MAX jobs and merge_max_bytes, with one
 notification listing every part: one post, one completion and one notification instead of one
 each. Nothing waits to be merged: only what is already queued behind a busy thread is.
 Measured on the 16-core box, merging on and off interleaved (bench/results/merge-writes-h100box.json):
@@ -55,10 +55,7 @@ _NOTIF_IDLE_S = 0.05
 # how far down a thread's queue a job looks for partners.
 _MERGE_MAX = 8
 _MERGE_SCAN = 64
-# ... and of at most this many bytes: a WRITE's fixed cost (~0.1-0.2 ms of CPU over both sides) is
-# worth sharing for small parts, while a large one is better finished alone (its chunks land,
-# and their slots come back, without waiting for the copies merged behind them).
-_MERGE_MAX_BYTES = 16 << 20
+# (and at most Config.merge_max_bytes in one WRITE).
 
 
 def _deliver(jobs: list[TransferJob], state: XferState, error: str) -> None:
@@ -114,10 +111,12 @@ class _Posted:
 class WorkerPool:
     def __init__(self, transport: Transport, loop: asyncio.AbstractEventLoop, workers: int,
                  post_delay: Callable[[], float] | None = None,
-                 join_notifs: Callable[[list[bytes]], bytes] | None = None) -> None:
+                 join_notifs: Callable[[list[bytes]], bytes] | None = None,
+                 merge_max_bytes: int = 64 << 20) -> None:
         self._transport = transport
         # How the notifications of jobs merged into one WRITE become one (None: never merge).
         self._join_notifs = join_notifs
+        self._merge_max_bytes = merge_max_bytes
         # Test-only fault hook: seconds to hold the next post (delays a WRITE past a revocation).
         self._post_delay = post_delay
         # Set by the decode side while it expects chunks: notifications are then polled fast.
@@ -257,7 +256,7 @@ class WorkerPool:
         group, keep, nbytes = [first], [], first.nbytes
         for _ in range(min(len(backlog), _MERGE_SCAN)):
             j = backlog.popleft()
-            if (len(group) < _MERGE_MAX and nbytes + j.nbytes <= _MERGE_MAX_BYTES
+            if (len(group) < _MERGE_MAX and nbytes + j.nbytes <= self._merge_max_bytes
                     and shape == (j.merge_key, j.remote, j.local_mem, j.remote_mem, j.local_device, j.remote_device)):
                 group.append(j)
                 nbytes += j.nbytes

@@ -38,6 +38,7 @@ def test_precedence_file_env_flags(short_tmp: Path) -> None:
         ('tls_cert = "/nonexistent.pem"\ntls_key = "/nonexistent.key"\n', "no such file"),
         ('socket = "/proc/kvx/d.sock"\n', "cannot be created"),
         ("host_pool_bytes = 10\n", "at least 1 MiB"),
+        ('merge_max_bytes = "2GiB"\n', "merge_max_bytes must be 1 MiB..1 GiB"),
         ("max_rooms_per_engine = 0\n", "max_rooms_per_engine must be 1.."),
         ("max_engines = 1000000\n", "max_engines must be 1..65536"),
         ("max_watch_backlog = 1\n", "max_watch_backlog must be 16.."),

@@ -95,7 +95,7 @@ async def test_jobs_of_one_room_queued_together_share_one_write() -> None:
     gets its own result."""
     loop = asyncio.get_running_loop()
     tr = GatedTransport()
-    pool = WorkerPool(tr, loop, 1, join_notifs=b"|".join)  # type: ignore[arg-type]
+    pool = WorkerPool(tr, loop, 1, join_notifs=b"|".join, merge_max_bytes=16 << 20)  # type: ignore[arg-type]
     pool.start()
     done: dict[bytes, tuple[XferState, str]] = {}
 
@@ -121,7 +121,7 @@ async def test_jobs_of_one_room_queued_together_share_one_write() -> None:
         while len(done) < 10:
             await asyncio.sleep(0.005)
         # One WRITE for b, c and f (room r2, peer-1); d, e (another peer), g (no key) alone, and
-        # h and i apart (together over the 16 MiB a merged WRITE may carry).
+        # h and i apart (together over the 16 MiB a merged WRITE may carry here).
         assert list(tr.posted_by) == [b"a", b"b|c|f", b"d", b"e", b"g", b"h", b"i"]
         assert {n: s for n, (s, _) in done.items()} == {
             **dict.fromkeys([b"a", b"b", b"c", b"d", b"e", b"f", b"g", b"h", b"i"], XferState.DONE),

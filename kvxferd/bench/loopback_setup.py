@@ -164,26 +164,30 @@ class LoopbackRig:
         out = Path(self.profile_dir)
         out.mkdir(parents=True, exist_ok=True)
         spies = []
-        for name in ("prefill", "decode"):
-            raw = out / f"{name}-daemon.{g.name}.txt"
-            cmd = [exe, "record", "--pid", str(self.daemons[name].pid), "--rate", os.environ.get("KVX_PYSPY_RATE", "250"), "--format", "raw",
+        # Both daemons and the first engine of each role (engines' per-chunk client work shows too).
+        targets = [(f"{name}-daemon", self.daemons[name].pid) for name in ("prefill", "decode")]
+        targets += [(f"{role}-engine0", procs[0].pid) for role, procs in (("prefill", g.prefill), ("decode", g.decode))
+                    if procs]
+        for name, pid in targets:
+            raw = out / f"{name}.{g.name}.txt"
+            cmd = [exe, "record", "--pid", str(pid), "--rate", os.environ.get("KVX_PYSPY_RATE", "250"), "--format", "raw",
                    "--threads", "--nonblocking", "--output", str(raw), "--duration", str(int(spec.timeout_s)),
                    *os.environ.get("KVX_PYSPY_ARGS", "").split()]
             if "--native" in cmd:
                 cmd.remove("--nonblocking")  # py-spy reads native stacks only from a paused process
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            spies.append((name, proc, raw))
+            spies.append((proc, raw))
         time.sleep(1.0)
         return spies
 
     def _stop_profile(self, spies: list[Any]) -> None:
-        for name, proc, raw in spies:
+        for proc, raw in spies:
             proc.send_signal(signal.SIGINT)
             try:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-            self.profiles[name] = {"file": str(raw), "top": _profile_top(raw)}
+            self.profiles[raw.stem] = {"file": str(raw), "top": _profile_top(raw)}
 
 
 def _profile_top(raw: Path, n: int = 15) -> list[dict[str, Any]]:
