@@ -392,7 +392,7 @@ def _coerce(key: str, value: Any) -> Any:
     f = _FIELDS[key]
     typ = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
     try:
-        if key in ("host_pool_bytes", "max_message_bytes", "max_peer_metadata_bytes", "merge_max_bytes"):
+        if key.endswith("_bytes"):  # every *_bytes setting is a size: "256MiB" as well as 268435456
             return parse_size(value)
         if key == "socket_mode":
             if isinstance(value, str):

@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from kvxferd.config import Config
 from kvxferd.gpu import device_copies
 from kvxferd.transport import Transport, XferState
 
@@ -112,7 +113,7 @@ class WorkerPool:
     def __init__(self, transport: Transport, loop: asyncio.AbstractEventLoop, workers: int,
                  post_delay: Callable[[], float] | None = None,
                  join_notifs: Callable[[list[bytes]], bytes] | None = None,
-                 merge_max_bytes: int = 64 << 20) -> None:
+                 merge_max_bytes: int = Config.merge_max_bytes) -> None:
         self._transport = transport
         # How the notifications of jobs merged into one WRITE become one (None: never merge).
         self._join_notifs = join_notifs
