@@ -83,6 +83,26 @@ def test_a_refused_chunk_reaches_the_engine_and_changes_nothing(daemons: Any) ->
         assert tx.flush() == []
 
 
+def test_settle_hands_over_the_refusals_already_read_without_waiting(daemons: Any) -> None:
+    d = daemons("defer-settle")
+    with PrefillSender(socket=d.socket, group="g", layout=LAYOUT, ring_bytes=1 << 20) as tx:
+        assert tx.settle() == []  # nothing sent: returns at once
+        slot = tx.acquire(8)
+        bad = Slot(slot.offset + 256, slot.length, slot.chunk_bytes)
+        tx.enqueue(3, 0, 0, 8, bad, last=True, wait=False)
+        # A call that waits reads the verdict on its way (replies come in order); settle() then
+        # returns it without a round trip of its own.
+        assert tx.status().daemon_id
+        assert tx.stub.lane is not None and tx.stub.lane.deferred() == 0
+        (refused,) = tx.settle()
+        assert (refused.room, refused.chunk_id, refused.slot) == (3, 0, bad)
+        assert refused.code == grpc.StatusCode.INVALID_ARGUMENT and not refused.lost
+        assert tx.settle() == [] and tx.flush() == []  # returned once
+        tx.enqueue(3, 0, 0, 8, slot, last=True, wait=False)
+        assert tx.flush() == []
+        assert tx.poll(3).state is RoomState.BOOTSTRAPPING  # the slot was still ours: it went in
+
+
 def test_a_silent_daemon_does_not_hang_the_engine(daemons: Any) -> None:
     d = daemons("defer-silent")
     with PrefillSender(socket=d.socket, group="g", layout=LAYOUT, ring_bytes=1 << 20) as tx:

@@ -23,6 +23,7 @@ class RoomPlan:
     tokens: int
     chunk_pages: tuple[int, ...]  # pages per send() call
     abort_after: int = -1  # prefill aborts after this many chunks (-1: never)
+    repeat_chunk: int = -1  # prefill sends this chunk with the previous chunk's id (the daemon refuses it)
 
 
 def value(room: int, layer: int, plane: int, token: int, head: int) -> torch.Tensor:
@@ -90,17 +91,42 @@ def server_args(port: int, tp: int) -> Any:
                                  tp_size=tp, device="cpu")
 
 
+class PollCounter:
+    """Counts the backend's poll() calls (sglang's scheduler makes one per sender or receiver per
+    step) and the PollRoom calls they cost the daemon."""
+
+    def __init__(self, client: Any) -> None:
+        self.started = time.monotonic()
+        self.polls = 0
+        self.daemon_polls = 0
+        inner = client.poll
+
+        def counted(*a: Any, **k: Any) -> Any:
+            self.daemon_polls += 1
+            return inner(*a, **k)
+
+        client.poll = counted
+
+    def report(self) -> dict[str, Any]:
+        return {"polls": self.polls, "daemon_polls": self.daemon_polls, "seconds": time.monotonic() - self.started}
+
+
+COUNTER: PollCounter | None = None
+
+
 def _wait(obj: Any, want: set[int], timeout: float = 60.0) -> int:
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     deadline = time.monotonic() + timeout
     while True:
+        if COUNTER is not None:
+            COUNTER.polls += 1
         st = obj.poll()
         if st in want or st == KVPoll.Failed:
             return int(st)
         if time.monotonic() > deadline:
             raise TimeoutError(f"still {st}")
-        time.sleep(0.005)
+        time.sleep(0.001)  # sglang polls once per scheduler step
 
 
 def prefill_rank(socket: str, port: int, tp: int, rank: int, plans: list[RoomPlan], out: Any) -> None:
@@ -113,6 +139,8 @@ def prefill_rank(socket: str, port: int, tp: int, rank: int, plans: list[RoomPla
 
         pool = Pool(tp, rank)
         mgr = KvxferdKVManager(pool.kv_args(rank), "prefill", server_args(port, tp), False)
+        global COUNTER
+        COUNTER = PollCounter(mgr.tx)
         results: dict[int, str] = {}
         for i, plan in enumerate(plans):
             sender = KvxferdKVSender(mgr, f"127.0.0.1:{port}", plan.room)
@@ -125,8 +153,9 @@ def prefill_rank(socket: str, port: int, tp: int, rank: int, plans: list[RoomPla
                 continue
             assert got == KVPoll.WaitingForInput, f"room {plan.room}: poll {got}, {sender._error or 'no error'}"
             num_pages = -(-plan.tokens // PAGE)
-            sender.init(num_pages, aux_index=i)
-            pool.aux[i] = torch.frombuffer(bytearray(aux_for(plan.room)), dtype=torch.uint8)
+            slot = i % len(pool.aux)  # aux items are reused once their room is over
+            sender.init(num_pages, aux_index=slot)
+            pool.aux[slot] = torch.frombuffer(bytearray(aux_for(plan.room)), dtype=torch.uint8)
             pages = [POOL_PAGES - 1 - p for p in range(num_pages)]  # not the decode's pages
             pool.fill(plan, pages)
             at = 0
@@ -134,12 +163,14 @@ def prefill_rank(socket: str, port: int, tp: int, rank: int, plans: list[RoomPla
                 if n == plan.abort_after:
                     sender.abort()
                     break
+                if n == plan.repeat_chunk:
+                    sender.chunk_id -= 1  # an engine bug: the daemon refuses the chunk, the room fails
                 sender.send(torch.tensor(pages[at : at + count], dtype=torch.int32))
                 at += count
             end = _wait(sender, {KVPoll.Success})
             results[plan.room] = "Success" if end == KVPoll.Success else "Failed"
             sender.clear()
-        out.put(("prefill", rank, results, None))
+        out.put(("prefill", rank, {"rooms": results, **COUNTER.report()}, None))
         mgr.close()
     except Exception:
         out.put(("prefill", rank, {}, traceback.format_exc()))
@@ -155,6 +186,8 @@ def decode_rank(socket: str, port: int, tp: int, rank: int, plans: list[RoomPlan
 
         pool = Pool(tp, rank)
         mgr = KvxferdKVManager(pool.kv_args(rank), "decode", server_args(port + 1, tp), False)
+        global COUNTER
+        COUNTER = PollCounter(mgr.rx)
         results: dict[int, Any] = {}
         checked = 0
         for i, plan in enumerate(plans):
@@ -162,12 +195,13 @@ def decode_rank(socket: str, port: int, tp: int, rank: int, plans: list[RoomPlan
             recv.init(0)
             assert _wait(recv, {KVPoll.WaitingForInput}) == KVPoll.WaitingForInput
             pages = [3 * p + 1 for p in range(-(-plan.tokens // PAGE))]
-            recv.send_metadata(torch.tensor(pages, dtype=torch.int32), aux_index=i)
+            slot = i % len(pool.aux)
+            recv.send_metadata(torch.tensor(pages, dtype=torch.int32), aux_index=slot)
             end = _wait(recv, {KVPoll.Success})
             if end == KVPoll.Success:
                 checked += pool.check(plan, pages)
-                if bytes(pool.aux[i].numpy()) != aux_for(plan.room):
-                    raise AssertionError(f"room {plan.room}: aux {bytes(pool.aux[i].numpy())!r}")
+                if bytes(pool.aux[slot].numpy()) != aux_for(plan.room):
+                    raise AssertionError(f"room {plan.room}: aux {bytes(pool.aux[slot].numpy())!r}")
                 results[plan.room] = "Success"
             else:
                 try:
@@ -175,7 +209,51 @@ def decode_rank(socket: str, port: int, tp: int, rank: int, plans: list[RoomPlan
                 except KvxferdTransferError as exc:
                     results[plan.room] = f"Failed: {exc.failure_reason}"
             recv.clear()
-        out.put(("decode", rank, {"rooms": results, "checked_bytes": checked}, None))
+        out.put(("decode", rank, {"rooms": results, "checked_bytes": checked, **COUNTER.report()}, None))
         mgr.close()
     except Exception:
         out.put(("decode", rank, {}, traceback.format_exc()))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_pair(prefill_socket: str, decode_socket: str, prefill_tp: int, decode_tp: int, plans: list[RoomPlan],
+             timeout: float = 120.0) -> list[tuple[str, int, Any, str | None]]:
+    """Runs every prefill and decode rank of one TP pair (processes of their own, the backend's
+    bootstrap server in this one) over `plans`; returns each rank's (role, rank, result, error).
+    Raises TimeoutError, with what came back, when a rank stays silent for `timeout`."""
+    import multiprocessing as mp
+    import queue
+
+    from kvxfer_client.sglang._conn import KvxferdKVBootstrapServer
+
+    port = free_port()
+    boot = KvxferdKVBootstrapServer("127.0.0.1", port)
+    ctx = mp.get_context("fork")
+    out: Any = ctx.Queue()
+    procs = [ctx.Process(target=prefill_rank, args=(prefill_socket, port, prefill_tp, r, plans, out))
+             for r in range(prefill_tp)]
+    procs += [ctx.Process(target=decode_rank, args=(decode_socket, port, decode_tp, r, plans, out))
+              for r in range(decode_tp)]
+    got: list[tuple[str, int, Any, str | None]] = []
+    try:
+        for proc in procs:
+            proc.start()
+        while len(got) < len(procs):
+            try:
+                got.append(out.get(timeout=timeout))
+            except queue.Empty:
+                raise TimeoutError(f"ranks did not finish; got {got}") from None
+    finally:
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+        boot.close()
+    return got

@@ -13,13 +13,11 @@ hook registry."""
 from __future__ import annotations
 
 import importlib.util
-import multiprocessing as mp
-import queue
-import socket as pysocket
 from typing import Any
 
 import pytest
 
+from kvxfer_client.sglang._watch import RESYNC_S
 from tests.engines import sglang_ranks as sr
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
@@ -30,55 +28,38 @@ PLANS = [
     sr.RoomPlan(room=910_002, tokens=8, chunk_pages=(2,)),
     sr.RoomPlan(room=910_003, tokens=24, chunk_pages=(2, 2, 2), abort_after=1),
     sr.RoomPlan(room=910_004, tokens=17, chunk_pages=(3, 2)),
+    sr.RoomPlan(room=910_005, tokens=40, chunk_pages=(2, 2, 2, 2, 2), repeat_chunk=2),
 ]
-
-
-def _free_port() -> int:
-    with pysocket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
 def test_sglang_backend_pd(daemons: Any, prefill_tp: int, decode_tp: int) -> None:
-    from kvxfer_client.sglang._conn import KvxferdKVBootstrapServer
-
     p, d = daemons("sgl-p"), daemons("sgl-d")
-    port = _free_port()
-    boot = KvxferdKVBootstrapServer("127.0.0.1", port)
-    ctx = mp.get_context("fork")
-    out: Any = ctx.Queue()
-    procs = [ctx.Process(target=sr.prefill_rank, args=(p.socket, port, prefill_tp, r, PLANS, out))
-             for r in range(prefill_tp)]
-    procs += [ctx.Process(target=sr.decode_rank, args=(d.socket, port, decode_tp, r, PLANS, out))
-              for r in range(decode_tp)]
     try:
-        for proc in procs:
-            proc.start()
-        got: list[tuple[str, int, Any, str | None]] = []
-        while len(got) < len(procs):
-            try:
-                got.append(out.get(timeout=120))
-            except queue.Empty:
-                pytest.fail(f"ranks did not finish; got {got}")
-    finally:
-        for proc in procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-        boot.close()
+        got = sr.run_pair(p.socket, d.socket, prefill_tp, decode_tp, PLANS)
+    except TimeoutError as exc:
+        pytest.fail(str(exc))
     errors = [g[3] for g in got if g[3]]
     assert not errors, "\n".join(f"{g[0]} {g[1]}: {g[2]} {g[3]}" for g in got)
     for role, rank, res, _ in got:
-        rooms = res["rooms"] if role == "decode" else res
+        rooms = res["rooms"]
         assert rooms[910_001] == rooms[910_002] == rooms[910_004] == "Success", (role, rank, rooms)
         assert rooms[910_003].startswith("Failed"), (role, rank, rooms)
+        assert rooms[910_005].startswith("Failed"), (role, rank, rooms)
+        # Room states and landed chunks come by push: the daemon is asked (PollRoom) about twice
+        # per room (before a rank's first chunk, once after it) plus one resync per silent second,
+        # however often sglang polls (each poll used to be a PollRoom).
+        budget = 2 * len(PLANS) + res["seconds"] / RESYNC_S
+        assert res["daemon_polls"] <= budget < res["polls"], (role, rank, res)
         if role == "decode":
             # ABORTED; or, for a decode rank that expects after the abort, the refusal (the room is
             # already FAILED). Either way a clean failure, never a hang.
             assert "aborted by the prefill engine" in rooms[910_003] or "already FAILED" in rooms[910_003], rooms
+            # The repeated chunk was refused without the prefill rank waiting for the verdict; the
+            # rank failed the room at once with the daemon's reason.
+            assert "was already enqueued" in rooms[910_005] or "already FAILED" in rooms[910_005], rooms
             heads = len(sr.local_heads(decode_tp, rank))
-            want = sum(pl.tokens for pl in PLANS if pl.abort_after < 0) * sr.LAYERS * 2 * heads * sr.HEAD_DIM * 2
+            want = sum(pl.tokens for pl in PLANS if pl.abort_after < 0 and pl.repeat_chunk < 0) * sr.LAYERS * 2 * heads * sr.HEAD_DIM * 2
             assert res["checked_bytes"] == want
 
 

@@ -318,6 +318,19 @@ class PrefillSender(_EngineClient):
             refused, self._refused = self._refused, []
         return refused
 
+    def settle(self) -> list[ChunkRefused]:
+        """The refusals among the verdicts already here for this thread's enqueue(wait=False)
+        chunks, oldest first, without waiting for the others (flush() waits for them all): an
+        engine that checks once per scheduler step learns of a refused chunk without a round trip."""
+        lane = self.stub.lane
+        if isinstance(lane, SyncLane):
+            lane.poll_deferred()
+        for extra in self.spare.surplus():
+            self.release_slot(extra)
+        with self._refused_lock:
+            refused, self._refused = self._refused, []
+        return refused
+
     def _verdict(self, c: Chunk, asked: bool, got: Any) -> None:
         """The reply to an enqueue(wait=False), read by a later call on the same thread."""
         if isinstance(got, KvxferError):

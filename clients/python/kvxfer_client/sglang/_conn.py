@@ -19,6 +19,7 @@ Room states map one to one onto ``KVPoll``; a failed room raises ``KvxferdTransf
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -38,9 +39,10 @@ from sglang.srt.disaggregation.base.conn import (
     KVTransferMetric,
 )
 
-from kvxfer_client._common import KvxferError, Layout, RoomState
+from kvxfer_client._common import ChunkRefused, KvxferError, Landed, Layout, RoomEvent, RoomState
 from kvxfer_client._sync import DecodeReceiver, PrefillSender
 from kvxfer_client.sglang._pages import PagedBuffers, dtype_bytes, wrap
+from kvxfer_client.sglang._watch import RESYNC_S, RoomView, RoomWatch, failure_text
 
 logger = logging.getLogger(__name__)
 
@@ -98,11 +100,14 @@ class KvxferdKVManager(BaseKVManager):
         self.rx = DecodeReceiver(**common) if self.mode == "decode" else None
         self._lock = threading.Lock()
         self._receivers: dict[int, KvxferdKVReceiver] = {}
+        self._senders: dict[int, KvxferdKVSender] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
+        client: Any = self.tx if self.tx is not None else self.rx
+        self.events = RoomWatch(client, "kvxfer-sglang-events",
+                                self._sender_events if self.tx is not None else self._receiver_events)
         if self.rx is not None:
             threading.Thread(target=self._load_loop, name="kvxfer-sglang-load", daemon=True).start()
-            threading.Thread(target=self._event_loop, name="kvxfer-sglang-events", daemon=True).start()
         if self.tx is not None:
             self.register_to_bootstrap()
 
@@ -123,38 +128,90 @@ class KvxferdKVManager(BaseKVManager):
             buf[index * n : (index + 1) * n].copy_(wrap_bytes(data[at : at + n]))
             at += n
 
-    # -- decode: loads off sglang's scheduler thread --------------------------------------------
+    # -- prefill: room states by push, refusals routed to their room --------------------------
+    def track(self, sender: KvxferdKVSender) -> None:
+        with self._lock:
+            self._senders[sender.room] = sender
+
+    def untrack(self, room: int) -> None:
+        with self._lock:
+            self._senders.pop(room, None)
+
+    def _sender_events(self, batch: list[RoomEvent]) -> None:
+        epoch = self.events.epoch
+        with self._lock:
+            for ev in batch:
+                sender = self._senders.get(ev.room)
+                if sender is not None:
+                    sender.view.update(ev.state, failure_text(ev.failure_code, ev.failure_reason), epoch)
+
+    def settle(self) -> None:
+        """Verdicts of chunks sent without waiting that are already here: a refusal fails its
+        room (whichever sender sent it) on the calling thread."""
+        assert self.tx is not None
+        for refused in self.tx.settle():
+            self.refused(refused)
+
+    def refused(self, r: ChunkRefused) -> None:
+        if not r.lost and r.slot is not None:
+            try:
+                self.tx.release_slot(r.slot)  # type: ignore[union-attr]  # the daemon left it to us
+            except KvxferError:
+                pass
+        with self._lock:
+            sender = self._senders.get(r.room)
+        if sender is not None:
+            sender.fail(f"chunk {r.chunk_id} not taken: {r.message}")
+
+    # -- decode: loads off sglang's scheduler thread, driven by room events ---------------------
     def watch(self, recv: KvxferdKVReceiver) -> None:
         with self._lock:
             self._receivers[recv.room] = recv
         self._wake.set()
 
-    def _event_loop(self) -> None:
-        assert self.rx is not None
-        while not self._stop.is_set():
-            try:
-                for _ in self.rx.watch():
-                    self._wake.set()
-            except KvxferError as exc:
-                logger.debug("room event stream ended: %s", exc)
-            self._stop.wait(0.2)
+    def unwatch(self, room: int) -> None:
+        with self._lock:
+            self._receivers.pop(room, None)
+
+    def _receiver_events(self, batch: list[RoomEvent]) -> None:
+        with self._lock:
+            for ev in batch:
+                recv = self._receivers.get(ev.room)
+                if recv is not None:
+                    recv.events.append(ev)
+        self._wake.set()
 
     def _load_loop(self) -> None:
+        assert self.rx is not None
         active: list[KvxferdKVReceiver] = []
         while not self._stop.is_set():
-            # Events wake the loop; a short sweep while rooms are active covers any missed one.
-            self._wake.wait(0.02 if active else 1.0)
+            # Events wake the loop; without any, rooms in flight are looked at every RESYNC_S
+            # (each polls once if it heard nothing for that long).
+            self._wake.wait(RESYNC_S / 2 if active else 1.0)
             self._wake.clear()
             with self._lock:
                 active = list(self._receivers.values())
+            epoch = self.events.epoch
+            marks: list[tuple[KvxferdKVReceiver, list[int]]] = []
             for recv in active:
-                if recv.advance():
-                    with self._lock:
-                        self._receivers.pop(recv.room, None)
+                fresh = recv.advance(epoch)
+                if fresh:
+                    marks.append((recv, fresh))
+            if marks:
+                # Every chunk read in this sweep goes back in one call, before any of their rooms
+                # reports Success (sglang then releases the room).
+                errs = self.rx.watermark_many([(r.room, ids) for r, ids in marks])
+                for (recv, _), err in zip(marks, errs, strict=True):
+                    if err is not None:
+                        recv.fail(f"watermark failed: {err}")
+            for recv in active:
+                if recv.finish():
+                    self.unwatch(recv.room)
 
     def close(self) -> None:
         self._stop.set()
         self._wake.set()
+        self.events.close()
         for c in (self.tx, self.rx):
             if c is not None:
                 c.close()
@@ -167,6 +224,10 @@ def wrap_bytes(data: bytes) -> Any:
 
 
 class KvxferdKVSender(BaseKVSender):
+    """One room on a prefill rank. send() does not wait for the daemon's verdict (a refusal fails
+    the room at the rank's next send() or poll()); poll() answers from the room's events and asks
+    the daemon only before this rank's first chunk or when the events may have missed something."""
+
     def __init__(self, mgr: KvxferdKVManager, bootstrap_addr: str, bootstrap_room: int,
                  req_has_disagg_prefill_dp_rank: bool = False) -> None:
         assert mgr.tx is not None, "a KV sender needs a prefill-mode manager"
@@ -177,6 +238,8 @@ class KvxferdKVSender(BaseKVSender):
         self.chunk_id = 0
         self.bytes = 0
         self._error = ""
+        self.view = RoomView()
+        mgr.track(self)
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         self.num_pages, self.aux_index = int(num_kv_indices), aux_index
@@ -188,19 +251,35 @@ class KvxferdKVSender(BaseKVSender):
         ps = self.mgr.pages.page_size
         tokens = len(pages) * ps
         last = self.sent_pages + len(pages) >= self.num_pages
-        slot = self.tx.acquire(tokens)
+        try:
+            slot = self._settling(lambda: self.tx.acquire(tokens))
+        except KvxferError as exc:
+            self.fail(f"send failed: {exc}")
+            return
+        if self._error:  # a refusal of this room's earlier chunk came in
+            self._quiet_release(slot)
+            return
         try:
             self.mgr.pages.gather(pages, self.mgr.pages.slot(self.tx.tensor(slot.offset, slot.chunk_bytes), tokens))
             aux = self.mgr.aux_bytes(self.aux_index) if last and self.aux_index is not None else b""
-            self.tx.enqueue(self.room, self.chunk_id, self.sent_pages * ps, tokens, slot, last=last, aux=aux)
+            self._settling(lambda: self.tx.enqueue(self.room, self.chunk_id, self.sent_pages * ps, tokens, slot,
+                                                   last=last, aux=aux, wait=False))
         except Exception as exc:
             self._quiet_release(slot)
-            self._error = f"send failed: {exc}"
-            self.abort()
+            self.fail(f"send failed: {exc}")
             return
         self.sent_pages += len(pages)
         self.chunk_id += 1
         self.bytes += slot.chunk_bytes
+
+    def _settling(self, call: Any) -> Any:
+        """Runs a client call that first raises any unread refusal of an earlier chunk (before it
+        does anything): each such refusal fails its own room, then the call runs again."""
+        while True:
+            try:
+                return call()
+            except ChunkRefused as r:
+                self.mgr.refused(r)
 
     def _quiet_release(self, slot: Any) -> None:
         try:
@@ -208,9 +287,37 @@ class KvxferdKVSender(BaseKVSender):
         except KvxferError:
             pass
 
+    def fail(self, why: str) -> None:
+        """The room cannot finish from here: the decode side hears it at once (AbortRoom)."""
+        if self._error:
+            return
+        self._error = why
+        try:
+            self.tx.abort(self.room, why)
+        except KvxferError as exc:
+            logger.debug("abort room %d: %s", self.room, exc)
+
     def poll(self) -> int:
+        if not self._error:
+            self.mgr.settle()
         if self._error:
             return KVPoll.Failed
+        view = self.view
+        if self.chunk_id and not view.stale(self.mgr.events.epoch):
+            return self._state(view.state, view.failure)
+        return self._poll_daemon()
+
+    def _state(self, state: RoomState | None, failure: str) -> int:
+        if state is None:
+            return KVPoll.Transferring
+        if state is RoomState.FAILED:
+            self._error = self._error or failure
+        if self.chunk_id == 0 and state in (RoomState.BOOTSTRAPPING, RoomState.WAITING_FOR_INPUT):
+            return KVPoll.WaitingForInput  # chunks wait in the ring for the decode's handshake
+        return _POLL[state]
+
+    def _poll_daemon(self) -> int:
+        epoch = self.mgr.events.epoch
         try:
             st = self.tx.poll(self.room)
         except KvxferError as exc:
@@ -221,11 +328,9 @@ class KvxferdKVSender(BaseKVSender):
                 return KVPoll.WaitingForInput
             self._error = str(exc)
             return KVPoll.Failed
-        if st.state is RoomState.BOOTSTRAPPING and self.chunk_id == 0:
-            return KVPoll.WaitingForInput  # another rank opened the room first: the same holds
-        if st.state is RoomState.FAILED:
-            self._error = f"{st.failure_code}: {st.failure_reason}"
-        return _POLL[st.state]
+        if self.chunk_id:
+            self.view.update(st.state, failure_text(st.failure_code, st.failure_reason), epoch)
+        return self._state(st.state, failure_text(st.failure_code, st.failure_reason))
 
     def failure_exception(self) -> None:
         raise KvxferdTransferError(self.room, self._error or "transfer failed")
@@ -241,6 +346,7 @@ class KvxferdKVSender(BaseKVSender):
         self._error = self._error or "aborted"
 
     def clear(self) -> None:
+        self.mgr.untrack(self.room)
         if self._error:
             # A failed room stays on the daemon (FAILED is sticky) rather than being released: a
             # decode rank that bootstraps late must see the failure, not a fresh room that no
@@ -253,6 +359,9 @@ class KvxferdKVSender(BaseKVSender):
 
 
 class KvxferdKVReceiver(BaseKVReceiver):
+    """One room on a decode rank: the manager's loader scatters each chunk as its landed event
+    comes, watermarks it and, on SUCCESS, writes the aux item; poll() reads the outcome."""
+
     def __init__(self, mgr: KvxferdKVManager, bootstrap_addr: str, bootstrap_room: int | None = None) -> None:
         assert mgr.rx is not None, "a KV receiver needs a decode-mode manager"
         self.mgr, self.rx = mgr, mgr.rx
@@ -263,6 +372,9 @@ class KvxferdKVReceiver(BaseKVReceiver):
         self.aux_index: int | None = None
         self.done_chunks: set[int] = set()
         self.state = KVPoll.Bootstrapping
+        self.events: collections.deque[RoomEvent] = collections.deque()  # appended by the watch thread
+        self.view = RoomView()
+        self._tokens = 0  # scattered so far
         self._error = ""
 
     def init(self, prefill_dp_rank: int = 0) -> None:
@@ -289,41 +401,79 @@ class KvxferdKVReceiver(BaseKVReceiver):
             return
         self.pages = [int(p) for p in kv_indices]
         self.aux_index = aux_index
+        self.mgr.watch(self)  # before the room exists: no event of it can come unheard
         try:
             self.rx.expect(self.room, self.route["address"], self.route["group"],
                            len(self.pages) * self.mgr.pages.page_size)
         except KvxferError as exc:
+            self.mgr.unwatch(self.room)
             self._fail(f"ExpectRoom failed: {exc}")
             return
         self.state = KVPoll.Transferring
-        self.mgr.watch(self)
 
-    def advance(self) -> bool:
-        """Loader thread: scatter what landed; True once the room is over (either way)."""
-        ps = self.mgr.pages.page_size
+    def advance(self, epoch: int) -> list[int]:
+        """Loader thread: scatters the chunks that landed since the last call (from events, or
+        from PollRoom when the events may have missed something); returns their ids to watermark."""
+        if self.state != KVPoll.Transferring or self.view.state in (RoomState.SUCCESS, RoomState.FAILED):
+            self.events.clear()
+            return []
         try:
-            st = self.rx.poll(self.room)
-            fresh = [c for c in st.landed if c.chunk_id not in self.done_chunks]
-            for c in fresh:
-                first = c.token_start // ps
-                chunk_pages = self.pages[first : first + c.num_tokens // ps]
-                self.mgr.pages.scatter(chunk_pages, self.mgr.pages.slot(self.rx.tensor(c.offset, c.chunk_bytes), c.num_tokens))
-                self.done_chunks.add(c.chunk_id)
-            if fresh:
-                self.rx.watermark(self.room, [c.chunk_id for c in fresh])
-            if st.state is RoomState.FAILED:
-                self._fail(f"{st.failure_code}: {st.failure_reason}")
-                return True
-            if st.state is RoomState.SUCCESS and not fresh:
-                if self.aux_index is not None:
-                    self.mgr.write_aux(self.aux_index, st.aux)
-                self.state = KVPoll.Success
-                return True
+            landed: list[Landed] = []
+            while self.events:
+                ev = self.events.popleft()
+                if ev.landed is not None:
+                    landed.append(ev.landed)
+                self.view.update(ev.state, failure_text(ev.failure_code, ev.failure_reason), epoch, ev.aux)
+            if self.view.stale(epoch) or (self.view.state is RoomState.SUCCESS and not self._complete()):
+                # Events may have been lost with a stream (a SUCCESS with chunks unseen says so):
+                # the daemon lists every landed chunk not watermarked yet.
+                st = self.rx.poll(self.room)
+                landed += st.landed
+                self.view.update(st.state, failure_text(st.failure_code, st.failure_reason), epoch, st.aux)
+            return self._scatter(landed)
         except Exception as exc:
             self._fail(f"load failed: {exc}")
             self.abort()
+            return []
+
+    def _scatter(self, landed: list[Landed]) -> list[int]:
+        ps = self.mgr.pages.page_size
+        fresh: list[int] = []
+        for c in landed:
+            if c.chunk_id in self.done_chunks:
+                continue
+            first = c.token_start // ps
+            chunk_pages = self.pages[first : first + c.num_tokens // ps]
+            self.mgr.pages.scatter(chunk_pages, self.mgr.pages.slot(self.rx.tensor(c.offset, c.chunk_bytes), c.num_tokens))
+            self.done_chunks.add(c.chunk_id)
+            self._tokens += c.num_tokens
+            fresh.append(c.chunk_id)
+        return fresh
+
+    def _complete(self) -> bool:
+        return self._tokens >= len(self.pages) * self.mgr.pages.page_size
+
+    def finish(self) -> bool:
+        """Loader thread, after the sweep's watermarks: True once the room has its outcome."""
+        if self.state in (KVPoll.Success, KVPoll.Failed):
+            return True
+        if self.state != KVPoll.Transferring:
+            return False  # send_metadata is still expecting the room
+        if self.view.state is RoomState.FAILED:
+            self._fail(self.view.failure)
+            return True
+        if self.view.state is RoomState.SUCCESS:
+            if not self._complete():
+                self._fail(f"SUCCESS with {self._tokens} of {len(self.pages) * self.mgr.pages.page_size} tokens seen")
+                return True
+            if self.aux_index is not None:
+                self.mgr.write_aux(self.aux_index, self.view.aux)
+            self.state = KVPoll.Success
             return True
         return False
+
+    def fail(self, why: str) -> None:
+        self._fail(why)
 
     def _fail(self, why: str) -> None:
         self._error = self._error or why
@@ -343,6 +493,7 @@ class KvxferdKVReceiver(BaseKVReceiver):
         self._fail(self._error or "aborted")
 
     def clear(self) -> None:
+        self.mgr.unwatch(self.room)
         try:
             self.rx.release(self.room)
         except KvxferError:
