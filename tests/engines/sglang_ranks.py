@@ -231,7 +231,7 @@ def run_pair(prefill_socket: str, decode_socket: str, prefill_tp: int, decode_tp
     import multiprocessing as mp
     import queue
 
-    from kvxfer_client.sglang._conn import KvxferdKVBootstrapServer
+    from kvxfer_client.sglang._bootstrap import KvxferdKVBootstrapServer
 
     port = free_port()
     boot = KvxferdKVBootstrapServer("127.0.0.1", port)
