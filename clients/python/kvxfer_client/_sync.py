@@ -314,19 +314,16 @@ class PrefillSender(_EngineClient):
         lane = self.stub.lane
         if isinstance(lane, SyncLane):
             lane.wait_deferred(timeout or self._timeout)
-        with self._refused_lock:
-            refused, self._refused = self._refused, []
-        return refused
+        return self._take_refused()
 
     def settle(self) -> list[ChunkRefused]:
         """The refusals among the verdicts already here for this thread's enqueue(wait=False)
         chunks, oldest first, without waiting for the others (flush() waits for them all): an
         engine that checks once per scheduler step learns of a refused chunk without a round trip."""
-        lane = self.stub.lane
-        if isinstance(lane, SyncLane):
-            lane.poll_deferred()
-        for extra in self.spare.surplus():
-            self.release_slot(extra)
+        self._read_verdicts()
+        return self._take_refused()
+
+    def _take_refused(self) -> list[ChunkRefused]:
         with self._refused_lock:
             refused, self._refused = self._refused, []
         return refused
@@ -345,12 +342,16 @@ class PrefillSender(_EngineClient):
 
     def _settle_deferred(self) -> None:
         """Reads the verdicts that are already here, gives back surplus spares, raises a refusal."""
+        self._read_verdicts()
+        self._raise_refused()
+
+    def _read_verdicts(self) -> None:
+        """Reads, without waiting, the verdicts already here; gives back the spares they made surplus."""
         lane = self.stub.lane
         if isinstance(lane, SyncLane):
             lane.poll_deferred()  # returns at once when nothing was sent without waiting
         for extra in self.spare.surplus():
             self.release_slot(extra)
-        self._raise_refused()
 
     def _raise_refused(self) -> None:
         with self._refused_lock:

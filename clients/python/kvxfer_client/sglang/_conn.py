@@ -40,7 +40,7 @@ from sglang.srt.disaggregation.base.conn import (
 from kvxfer_client._common import ChunkRefused, KvxferError, Landed, Layout, RoomEvent, RoomState
 from kvxfer_client._sync import DecodeReceiver, PrefillSender
 from kvxfer_client.sglang._pages import PagedBuffers, dtype_bytes, wrap
-from kvxfer_client.sglang._watch import RESYNC_S, RoomView, RoomWatch, failure_text
+from kvxfer_client.sglang._watch import RESYNC_S, RoomView, RoomWatch
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class KvxferdKVManager(BaseKVManager):
             for ev in batch:
                 sender = self._senders.get(ev.room)
                 if sender is not None:
-                    sender.view.update(ev.state, failure_text(ev.failure_code, ev.failure_reason), epoch)
+                    sender.view.update(ev, epoch)
 
     def settle(self) -> None:
         """Verdicts of chunks sent without waiting that are already here: a refusal fails its
@@ -150,12 +150,17 @@ class KvxferdKVManager(BaseKVManager):
         for refused in self.tx.settle():
             self.refused(refused)
 
+    def release_slot(self, slot: Any) -> None:
+        """Gives a slot back; a daemon that already freed it (the engine's lease ended) is fine."""
+        assert self.tx is not None
+        try:
+            self.tx.release_slot(slot)
+        except KvxferError:
+            pass
+
     def refused(self, r: ChunkRefused) -> None:
         if not r.lost and r.slot is not None:
-            try:
-                self.tx.release_slot(r.slot)  # type: ignore[union-attr]  # the daemon left it to us
-            except KvxferError:
-                pass
+            self.release_slot(r.slot)  # the daemon left it to us
         with self._lock:
             sender = self._senders.get(r.room)
         if sender is not None:
@@ -255,7 +260,7 @@ class KvxferdKVSender(BaseKVSender):
             self.fail(f"send failed: {exc}")
             return
         if self._error:  # a refusal of this room's earlier chunk came in
-            self._quiet_release(slot)
+            self.mgr.release_slot(slot)
             return
         try:
             self.mgr.pages.gather(pages, self.mgr.pages.slot(self.tx.tensor(slot.offset, slot.chunk_bytes), tokens))
@@ -263,7 +268,7 @@ class KvxferdKVSender(BaseKVSender):
             self._settling(lambda: self.tx.enqueue(self.room, self.chunk_id, self.sent_pages * ps, tokens, slot,
                                                    last=last, aux=aux, wait=False))
         except Exception as exc:
-            self._quiet_release(slot)
+            self.mgr.release_slot(slot)
             self.fail(f"send failed: {exc}")
             return
         self.sent_pages += len(pages)
@@ -279,19 +284,16 @@ class KvxferdKVSender(BaseKVSender):
             except ChunkRefused as r:
                 self.mgr.refused(r)
 
-    def _quiet_release(self, slot: Any) -> None:
-        try:
-            self.tx.release_slot(slot)
-        except KvxferError:
-            pass
-
     def fail(self, why: str) -> None:
         """The room cannot finish from here: the decode side hears it at once (AbortRoom)."""
         if self._error:
             return
         self._error = why
+        self._abort_room(why)
+
+    def _abort_room(self, reason: str) -> None:
         try:
-            self.tx.abort(self.room, why)
+            self.tx.abort(self.room, reason)
         except KvxferError as exc:
             logger.debug("abort room %d: %s", self.room, exc)
 
@@ -301,13 +303,11 @@ class KvxferdKVSender(BaseKVSender):
         if self._error:
             return KVPoll.Failed
         view = self.view
-        if self.chunk_id and not view.stale(self.mgr.events.epoch):
+        if self.chunk_id and view.state is not None and not view.stale(self.mgr.events.epoch):
             return self._state(view.state, view.failure)
         return self._poll_daemon()
 
-    def _state(self, state: RoomState | None, failure: str) -> int:
-        if state is None:
-            return KVPoll.Transferring
+    def _state(self, state: RoomState, failure: str) -> int:
         if state is RoomState.FAILED:
             self._error = self._error or failure
         if self.chunk_id == 0 and state in (RoomState.BOOTSTRAPPING, RoomState.WAITING_FOR_INPUT):
@@ -326,9 +326,10 @@ class KvxferdKVSender(BaseKVSender):
                 return KVPoll.WaitingForInput
             self._error = str(exc)
             return KVPoll.Failed
-        if self.chunk_id:
-            self.view.update(st.state, failure_text(st.failure_code, st.failure_reason), epoch)
-        return self._state(st.state, failure_text(st.failure_code, st.failure_reason))
+        if not self.chunk_id:
+            return self._state(st.state, f"{st.failure_code}: {st.failure_reason}")
+        self.view.update(st, epoch)
+        return self._state(st.state, self.view.failure)
 
     def failure_exception(self) -> None:
         raise KvxferdTransferError(self.room, self._error or "transfer failed")
@@ -337,10 +338,7 @@ class KvxferdKVSender(BaseKVSender):
         return KVTransferMetric(transfer_total_bytes=self.bytes)
 
     def abort(self) -> None:
-        try:
-            self.tx.abort(self.room, self._error or "aborted by the prefill engine")
-        except KvxferError as exc:
-            logger.debug("abort room %d: %s", self.room, exc)
+        self._abort_room(self._error or "aborted by the prefill engine")
         self._error = self._error or "aborted"
 
     def clear(self) -> None:
@@ -389,7 +387,7 @@ class KvxferdKVReceiver(BaseKVReceiver):
                 return
             except Exception as exc:
                 if time.monotonic() > deadline:
-                    self._fail(f"no kvxferd route from the prefill bootstrap server {self.bootstrap_addr}: {exc}")
+                    self.fail(f"no kvxferd route from the prefill bootstrap server {self.bootstrap_addr}: {exc}")
                     return
             time.sleep(0.1)
 
@@ -405,7 +403,7 @@ class KvxferdKVReceiver(BaseKVReceiver):
                            len(self.pages) * self.mgr.pages.page_size)
         except KvxferError as exc:
             self.mgr.unwatch(self.room)
-            self._fail(f"ExpectRoom failed: {exc}")
+            self.fail(f"ExpectRoom failed: {exc}")
             return
         self.state = KVPoll.Transferring
 
@@ -421,16 +419,16 @@ class KvxferdKVReceiver(BaseKVReceiver):
                 ev = self.events.popleft()
                 if ev.landed is not None:
                     landed.append(ev.landed)
-                self.view.update(ev.state, failure_text(ev.failure_code, ev.failure_reason), epoch, ev.aux)
+                self.view.update(ev, epoch)
             if self.view.stale(epoch) or (self.view.state is RoomState.SUCCESS and not self._complete()):
                 # Events may have been lost with a stream (a SUCCESS with chunks unseen says so):
                 # the daemon lists every landed chunk not watermarked yet.
                 st = self.rx.poll(self.room)
                 landed += st.landed
-                self.view.update(st.state, failure_text(st.failure_code, st.failure_reason), epoch, st.aux)
+                self.view.update(st, epoch)
             return self._scatter(landed)
         except Exception as exc:
-            self._fail(f"load failed: {exc}")
+            self.fail(f"load failed: {exc}")
             self.abort()
             return []
 
@@ -458,11 +456,11 @@ class KvxferdKVReceiver(BaseKVReceiver):
         if self.state != KVPoll.Transferring:
             return False  # send_metadata is still expecting the room
         if self.view.state is RoomState.FAILED:
-            self._fail(self.view.failure)
+            self.fail(self.view.failure)
             return True
         if self.view.state is RoomState.SUCCESS:
             if not self._complete():
-                self._fail(f"SUCCESS with {self._tokens} of {len(self.pages) * self.mgr.pages.page_size} tokens seen")
+                self.fail(f"SUCCESS with {self._tokens} of {len(self.pages) * self.mgr.pages.page_size} tokens seen")
                 return True
             if self.aux_index is not None:
                 self.mgr.write_aux(self.aux_index, self.view.aux)
@@ -471,9 +469,6 @@ class KvxferdKVReceiver(BaseKVReceiver):
         return False
 
     def fail(self, why: str) -> None:
-        self._fail(why)
-
-    def _fail(self, why: str) -> None:
         self._error = self._error or why
         self.state = KVPoll.Failed
 
@@ -488,7 +483,7 @@ class KvxferdKVReceiver(BaseKVReceiver):
             self.rx.abort(self.room, "aborted by the decode engine")
         except KvxferError as exc:
             logger.debug("abort room %d: %s", self.room, exc)
-        self._fail(self._error or "aborted")
+        self.fail(self._error or "aborted")
 
     def clear(self) -> None:
         self.mgr.unwatch(self.room)

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvxfer_client._common import KvxferError, RoomEvent, RoomState
+from kvxfer_client._common import KvxferError, RoomEvent, RoomState, RoomStatus
 
 logger = logging.getLogger(__name__)
 
@@ -78,12 +78,14 @@ class RoomView:
         self.epoch = -1  # the watch epoch of the last event or poll
         self.synced_at = 0.0
 
-    def update(self, state: RoomState, failure: str, epoch: int, aux: bytes = b"") -> None:
+    def update(self, said: RoomEvent | RoomStatus, epoch: int) -> None:
+        """Takes what an event or a PollRoom answer says of the room, heard under stream `epoch`."""
+        state = said.state
         if self.state is None or (self.state not in (RoomState.SUCCESS, RoomState.FAILED) and state > self.state):
             # The reason and aux first: another thread that sees the new state reads them too.
-            self.failure = failure
-            if aux:
-                self.aux = aux
+            self.failure = f"{said.failure_code}: {said.failure_reason}"
+            if said.aux:
+                self.aux = said.aux
             self.state = state
         self.epoch = max(self.epoch, epoch)
         self.synced_at = time.monotonic()
@@ -94,7 +96,3 @@ class RoomView:
         if self.state in (RoomState.SUCCESS, RoomState.FAILED):
             return False
         return self.state is None or self.epoch != epoch or time.monotonic() - self.synced_at > RESYNC_S
-
-
-def failure_text(code: str, reason: str) -> str:
-    return f"{code}: {reason}"
