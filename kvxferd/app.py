@@ -324,7 +324,8 @@ async def _start(d: _Daemon, ready: Callable[[Ready], None] | None) -> None:
     if injector is not None:
         d.background.append(asyncio.ensure_future(fault_control(
             config.socket + FAULT_CONTROL_SUFFIX, injector, delays, transport, ident, workers.run_blocking,
-            d.wire.close if d.wire is not None else None)))
+            d.wire.close if d.wire is not None else None,
+            lambda seconds: setattr(peers, "accept_delay_s", seconds))))
     if peers.auth.mode == "insecure":
         logger.warning("insecure_peers: the peer service on %s accepts unauthenticated peers; any host that "
                        "reaches it can claim any daemon id (set peer_secret_file or mTLS)", ident.address)

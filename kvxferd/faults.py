@@ -11,7 +11,9 @@
   region) and bump the metadata epoch, as importing or releasing an engine's GPU ring does, so CPU
   tests exercise re-handshakes with changed NIXL metadata while rooms are in flight;
 - `stream-off`: the framed control stream's port closes, with every stream on it, as a firewall
-  that lets only the peer port through would have it: peers must fall back to the Session RPC.
+  that lets only the peer port through would have it: peers must fall back to the Session RPC;
+- `slow-accept S`: every control stream a peer opens to this daemon from now on is taken up S
+  seconds late (0 ends it), so the dialing side hears nothing on it for S seconds.
 
 The file sits next to the socket, in a directory only the daemon's user can write; the hook does
 not exist unless fault_injection is on.
@@ -58,7 +60,8 @@ class PostDelay:
 
 async def fault_control(path: str, injector: FaultInjector, delays: PostDelay, transport: Transport,
                         ident: Identity, run_blocking: Callable[..., Awaitable[Any]],
-                        close_stream: Callable[[], None] | None = None) -> None:
+                        close_stream: Callable[[], None] | None = None,
+                        slow_accept: Callable[[float], None] | None = None) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)  # a leftover of an earlier run must not fire now
     scratch: list[tuple[mmap.mmap, int]] = []
@@ -105,6 +108,9 @@ async def fault_control(path: str, injector: FaultInjector, delays: PostDelay, t
                     m.close()  # unmapped: the next region may land at the same address, like a GPU ring
                     ident.md_epoch += 1
                     logger.warning("fault injection: released a region (metadata epoch %d)", ident.md_epoch)
+                elif len(words) == 2 and words[0] == "slow-accept" and slow_accept is not None:
+                    slow_accept(float(words[1]))
+                    logger.warning("fault injection: control streams are taken up %s s late", words[1])
                 elif words == ["stream-off"] and close_stream is not None:
                     close_stream()
                     logger.warning("fault injection: the framed control stream's port is closed")

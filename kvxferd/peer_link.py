@@ -85,6 +85,9 @@ class Session:
         self.kind = kind  # framed (kvxferd.peer_wire), grpc (the Session RPC) or local
         self.closed = False
         self.writer: asyncio.Task[None] | None = None
+        # Whether the peer has spoken on this stream yet (a Hello counts): until it has, the
+        # liveness check gives it the handshake's time, not the heartbeat limit.
+        self.heard = False
 
 
 class PeerLink:

@@ -65,6 +65,9 @@ class PeerManager:
         self.auth = PeerAuth(config, metrics)
         self.limits = PeerLimits(config, metrics, lambda: len(self._by_id), lambda: len(self._by_address),
                                  len(config.peers))
+        # Test-only fault hook (`slow-accept S`): a stream we accept is taken up S seconds late, as
+        # a loaded node or a slow NIXL metadata load delays it.
+        self.accept_delay_s = 0.0
         self._rx_batches = metrics.peer_batches.labels(direction="in")
         self._rx_msgs = metrics.peer_messages.labels(direction="in")
 
@@ -214,6 +217,7 @@ class PeerManager:
             async for batch in batches:
                 if session.closed:
                     return
+                session.heard = True
                 self.on_batch(h, batch)
         except KvxferError as exc:
             why, refused = f"control stream refused: {exc}", exc
@@ -297,6 +301,11 @@ class PeerManager:
         except KvxferError as exc:
             self.auth.refused("session", f"from {ref.daemon_id[:100]!r}: {exc}")
             raise
+        if self.accept_delay_s:
+            logger.warning("fault injection: accepting the stream from %s %.1f s late", ref.daemon_id,
+                           self.accept_delay_s)
+            await asyncio.sleep(self.accept_delay_s)
+        session.heard = True  # its Hello
         self._start_session(h, session)
         return h
 
@@ -437,16 +446,21 @@ class PeerManager:
 
     async def _liveness(self) -> None:
         # Every live session hears from its peer at least every interval/2 (an empty batch when
-        # idle): silence for `misses` intervals means the peer or the path is gone.
+        # idle): silence for `misses` intervals means the peer or the path is gone. A stream we
+        # dialed is silent until the peer has taken it up (checked its proof, maybe loaded new
+        # NIXL metadata): on a loaded node that took longer than a short heartbeat limit, and rooms
+        # failed PEER_LOST between a stream breaking and its replacement, so until the first
+        # word it gets the handshake's time.
         interval = self.config.heartbeat_interval_s
         limit = self.config.heartbeat_misses * interval
+        first_word = max(limit, CONTROL_TIMEOUT_S)
         while True:
             await asyncio.sleep(interval / 4)
             now = time.monotonic()
             for h in set(self._by_id.values()):
                 if not h.up:
                     continue
-                if h.session is not None and now - h.last_rx >= limit:
+                if h.session is not None and now - h.last_rx >= (limit if h.session.heard else first_word):
                     self.lost(h, f"no word for {now - h.last_rx:.1f} s")
                     continue
                 h.window.sweep(now)

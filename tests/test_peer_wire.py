@@ -36,13 +36,13 @@ class Fleet:
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[Fleet]:
     """wa, wb: the framed stream on (the default); wg: peer_stream_port = -1 (Session RPC only);
-    wc: max_peers = 1; fa, fb: fault injection on. All share a peer secret."""
+    wc: max_peers = 1; fa, fb, fc, fd: fault injection on. All share a peer secret."""
     wd = Path(tempfile.mkdtemp(prefix="kvxw-"))
     secret = secrets.token_hex(24).encode()
     path = secret_file(wd, "fleet", secret)
     faults = ["--set", "fault_injection=true"]
     specs = {"wa": [], "wb": [], "wg": ["--set", "peer_stream_port=-1"], "wc": ["--set", "max_peers=1"],
-             "fa": faults, "fb": faults}
+             "fa": faults, "fb": faults, "fc": faults, "fd": faults}
     procs = {n: spawn_daemon(wd, n, "--set", f"peer_secret_file={path}", *a, wait=False) for n, a in specs.items()}
     try:
         with running(procs):
@@ -157,6 +157,24 @@ def test_a_framed_port_that_goes_away_leaves_the_session_rpc(fleet: Fleet) -> No
     one_room(fa, fb, 22)
     assert peer_streams(fa).get("grpc", 0) >= 1 and peer_streams(fb).get("grpc", 0) >= 1
     assert "using the gRPC Session stream instead" in fa.log_text() + fb.log_text()
+
+
+def test_a_stream_is_given_the_handshake_time_to_be_taken_up(fleet: Fleet) -> None:
+    fc, fd = fleet.d["fc"], fleet.d["fd"]
+    # fc takes up every stream 2 s late (a loaded node, a slow NIXL metadata load): longer than the
+    # 1 s heartbeat limit, shorter than the handshake's 5 s. The decode side (fd) dials fc for the
+    # room's bootstrap and hears nothing on its new stream meanwhile; it must not call fc lost.
+    Path(fc.socket + ".faults").write_text("slow-accept 2")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and "streams are taken up 2 s late" not in fc.log_text():
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    one_room(fc, fd, 30)
+    assert time.monotonic() - t0 >= 1.5, "the stream was taken up at once: the fault did not hold it"
+    assert "accepting the stream from" in fc.log_text()
+    assert "no word for" not in fd.log_text() + fc.log_text(), "a stream not taken up yet was called lost"
+    Path(fc.socket + ".faults").write_text("slow-accept 0")
+    one_room(fd, fc, 31)
 
 
 def test_streams_that_never_say_hello_are_capped(fleet: Fleet) -> None:
