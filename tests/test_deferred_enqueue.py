@@ -10,8 +10,19 @@ import signal
 from typing import Any
 
 import grpc
+import pytest
 
-from kvxfer_client import ChunkRefused, DecodeReceiver, Layout, PrefillSender, RoomState, Slot
+from kvxfer_client import (
+    AsyncDecodeReceiver,
+    AsyncPrefillSender,
+    ChunkRefused,
+    DecodeReceiver,
+    Layout,
+    PrefillSender,
+    RoomState,
+    Slot,
+)
+from kvxfer_client._lane import AioLane
 from tests.faults.harness import metric
 from tests.test_e2e import status
 
@@ -118,3 +129,94 @@ def test_a_silent_daemon_does_not_hang_the_engine(daemons: Any) -> None:
         # The connection that fell out of step is gone; the next calls open another.
         tx.enqueue(2, 0, 0, 8, tx.acquire(8), last=True)
         assert tx.poll(2).state is RoomState.BOOTSTRAPPING
+
+
+# ------------------------------------------------------------------ the asyncio client
+
+
+async def test_async_chunks_sent_without_waiting_land_byte_exact(daemons: Any) -> None:
+    pre = daemons("adefer-pre")
+    dec = daemons("adefer-dec")
+    chunks, tokens = 24, 32
+    data = [random.Random(100 + i).randbytes(TOKEN_BYTES * tokens) for i in range(chunks)]
+    tx = await AsyncPrefillSender.create(socket=pre.socket, group="adw-pre", layout=LAYOUT, ring_bytes=4 << 20)
+    rx = await AsyncDecodeReceiver.create(socket=dec.socket, group="adw-dec", layout=LAYOUT, ring_bytes=4 << 20)
+    try:
+        await rx.expect(1, pre.peer_address, "adw-pre", chunks * tokens)
+        for cid in range(chunks):
+            slot = await tx.acquire(tokens)
+            tx.slot_view(slot)[:] = data[cid]
+            await tx.enqueue(1, cid, cid * tokens, tokens, slot, last=cid == chunks - 1, wait=False)
+        assert await tx.flush() == []
+        assert isinstance(tx.stub.lane, AioLane) and tx.stub.lane.deferred() == 0
+        got, final = await rx.receive(1, timeout=30)
+        assert final.state is RoomState.SUCCESS
+        assert [got[c] for c in range(chunks)] == data
+        assert (await tx.wait(1, timeout=10)).state is RoomState.SUCCESS
+        # One EnqueueChunk per chunk, and spares (two held ahead) spare most AcquireSlot calls.
+        assert metric(pre, RPCS, 'method="EnqueueChunk"') == chunks
+        assert 1 <= metric(pre, RPCS, 'method="AcquireSlot"') <= chunks // 2 + 1
+        held = [e.slots_held for e in status(pre.socket).engines]
+        assert held == [len(tx.spare._held)] and held[0] <= 2
+    finally:
+        await rx.close()
+        await tx.close()
+    assert status(pre.socket).engines == []
+
+
+async def test_async_refusals_reach_the_engine_and_change_nothing(daemons: Any) -> None:
+    d = daemons("adefer-refused")
+    tx = await AsyncPrefillSender.create(socket=d.socket, group="g", layout=LAYOUT, ring_bytes=1 << 20)
+    try:
+        assert await tx.settle() == [] and await tx.flush() == []  # nothing sent: at once
+        slot = await tx.acquire(8)
+        bad = Slot(slot.offset + 256, slot.length, slot.chunk_bytes)
+        await tx.enqueue(1, 0, 0, 8, bad, last=True, wait=False)
+        (refused,) = await tx.flush()
+        assert isinstance(refused, ChunkRefused)
+        assert (refused.room, refused.chunk_id, refused.slot) == (1, 0, bad)
+        assert refused.code == grpc.StatusCode.INVALID_ARGUMENT and "room 1 chunk 0" in str(refused)
+        assert not refused.lost  # the daemon's verdict: the slot is still ours
+        assert await tx.flush() == []  # returned once
+        assert status(d.socket).rooms_by_state.get("BOOTSTRAPPING", 0) == 0
+        await tx.enqueue(1, 0, 0, 8, slot, last=True, wait=False)
+        assert await tx.flush() == []
+        assert (await tx.poll(1)).state is RoomState.BOOTSTRAPPING
+
+        # Not flushed: a call that waits lets the reader take the verdict in; settle() returns it.
+        await tx.enqueue(2, 0, 0, 8, bad, last=True, wait=False)
+        await tx.poll(1)
+        (refused,) = await tx.settle()
+        assert (refused.room, refused.chunk_id) == (2, 0) and refused.code == grpc.StatusCode.INVALID_ARGUMENT
+        # Nor settled: the next acquire() raises it before doing anything.
+        held = status(d.socket).engines[0].slots_held
+        await tx.enqueue(3, 0, 0, 8, bad, last=True, wait=False)
+        await tx.poll(1)
+        with pytest.raises(ChunkRefused) as info:
+            await tx.acquire(8)
+        assert (info.value.room, info.value.chunk_id) == (3, 0)
+        assert status(d.socket).engines[0].slots_held == held
+        assert await tx.flush() == []
+    finally:
+        await tx.close()
+
+
+async def test_async_silent_daemon_does_not_hang_the_engine(daemons: Any) -> None:
+    d = daemons("adefer-silent")
+    tx = await AsyncPrefillSender.create(socket=d.socket, group="g", layout=LAYOUT, ring_bytes=1 << 20)
+    try:
+        slot = await tx.acquire(8)
+        os.kill(d.proc.pid, signal.SIGSTOP)
+        try:
+            await tx.enqueue(1, 0, 0, 8, slot, last=True, wait=False)  # the request sits in the socket
+            (lost,) = await tx.flush(timeout=0.5)
+            assert lost.code == grpc.StatusCode.DEADLINE_EXCEEDED and (lost.room, lost.chunk_id) == (1, 0)
+            assert lost.lost  # no verdict: the daemon may have taken the chunk
+        finally:
+            os.kill(d.proc.pid, signal.SIGCONT)
+        # The late verdict finds no call waiting for it; the connection goes on.
+        await tx.enqueue(2, 0, 0, 8, await tx.acquire(8), last=True)
+        assert (await tx.poll(2)).state is RoomState.BOOTSTRAPPING
+        assert await tx.flush() == []
+    finally:
+        await tx.close()

@@ -12,6 +12,7 @@ import grpc
 from kvxfer_client._common import (
     RING_READY_TIMEOUT_S,
     Chunk,
+    ChunkRefused,
     KvxferError,
     Landed,
     Layout,
@@ -207,12 +208,15 @@ class AsyncPrefillSender(_AsyncEngineClient):
     def __init__(self, *, socket: str | None = None, call_timeout: float = 10.0, tls: Tls | None = None) -> None:
         super().__init__(socket=socket, call_timeout=call_timeout, tls=tls)
         # Each enqueue() also asks for the next slot, of the same size (see SpareSlot); set
-        # `spare.enabled = False` to turn that off.
-        self.spare = SpareSlot(True)
+        # `spare.enabled = False` to turn that off. Two are held for enqueue(wait=False).
+        self.spare = SpareSlot(True, depth=2)
+        # Refusals of chunks sent with enqueue(wait=False), oldest first: the next call raises them.
+        self._refused: list[ChunkRefused] = []
 
     async def acquire(self, num_tokens: int, timeout: float = 30.0) -> Slot:
         """A slot for `num_tokens` tokens; while the ring is full the daemon holds the call until
         a transfer frees one (no polling), up to `timeout`."""
+        await self._settle_deferred()
         spare, stale = self.spare.take(num_tokens)
         if stale is not None:
             await self.release_slot(stale)
@@ -238,17 +242,80 @@ class AsyncPrefillSender(_AsyncEngineClient):
     async def enqueue(
         self, room: int, chunk_id: int, token_start: int, num_tokens: int, slot: Slot | None = None,
         last: bool = False, aux: bytes = b"", generation: int = 0, pages: Sequence[int] = (),
+        wait: bool = True,
     ) -> None:
-        """Hands a written chunk over: a slot from acquire(), or (zero-copy engines) its pool pages."""
+        """Hands a written chunk over: a slot from acquire(), or (zero-copy engines) its pool pages.
+
+        wait=False (over the daemon's lane; over gRPC it waits anyway): returns once the request
+        is written, without waiting for the daemon's verdict, as PrefillSender.enqueue does. A
+        refused chunk is raised as ChunkRefused (the daemon changed nothing for it; its slot is
+        still the engine's) by the next acquire() or enqueue(), before that call does anything,
+        or returned by settle() (verdicts already here) or flush() (waits for them all)."""
         c = Chunk(room, chunk_id, token_start, num_tokens, slot, last, aux, generation, tuple(pages))
+        await self._settle_deferred()
         req = chunk_request(self.engine_id, c)
-        with self.spare.asking(req) as asked:
+        lane = self.stub.lane
+        if not wait and isinstance(lane, AioLane):
+            asked = self.spare.ask(req)
+            try:
+                await lane.send_deferred("EnqueueChunk", req, lambda got: self._verdict(c, asked, got))
+            except BaseException:
+                if asked:
+                    self.spare.settle()
+                raise
+            return
+        with self.spare.asking(req, depth=1) as asked:
             reply = await self._call(self.stub.EnqueueChunk, req)
         extra = self.spare.keep(reply, num_tokens, asked)
         if extra is not None:
             await self.release_slot(extra)
 
+    async def flush(self, timeout: float | None = None) -> list[ChunkRefused]:
+        """Waits for the daemon's verdict on every chunk sent with enqueue(wait=False) and returns
+        the refusals not raised yet, oldest first. A daemon silent for `timeout` (the call timeout
+        by default) or gone refuses what is outstanding with DEADLINE_EXCEEDED or UNAVAILABLE
+        (`lost`: the chunk may have been taken; the room's events say)."""
+        lane = self.stub.lane
+        if isinstance(lane, AioLane):
+            await lane.wait_deferred(timeout or self._timeout)
+        await self._give_back_surplus()
+        return self._take_refused()
+
+    async def settle(self) -> list[ChunkRefused]:
+        """The refusals among the verdicts already here, oldest first, without waiting for the
+        others: an engine that checks once per step learns of a refused chunk without a round trip."""
+        await self._give_back_surplus()
+        return self._take_refused()
+
+    def _take_refused(self) -> list[ChunkRefused]:
+        refused, self._refused = self._refused, []
+        return refused
+
+    def _verdict(self, c: Chunk, asked: bool, got: Any) -> None:
+        """The reply to an enqueue(wait=False), handed over by the lane's reader on the loop."""
+        if isinstance(got, KvxferError):
+            if asked:
+                self.spare.settle()
+            self._refused.append(ChunkRefused(c.room, c.chunk_id, c.slot, got))
+            return
+        extra = self.spare.keep(got, c.num_tokens, asked)
+        if extra is not None:
+            self.spare.give_back(extra)  # released by the next call: a callback cannot await
+
+    async def _give_back_surplus(self) -> None:
+        for extra in self.spare.surplus():
+            await self.release_slot(extra)
+
+    async def _settle_deferred(self) -> None:
+        """Gives back surplus spares and raises the oldest refusal not raised yet."""
+        await self._give_back_surplus()
+        if self._refused:
+            raise self._refused.pop(0)
+
     async def close(self, unregister: bool = True) -> None:
+        lane = self.stub.lane
+        if isinstance(lane, AioLane):
+            await lane.wait_deferred(self._timeout)  # what was sent goes in before the engine leaves
         for spare in self.spare.drop():
             if unregister or self.reg is None:
                 break

@@ -362,6 +362,8 @@ class AioLane:
         self.path = path
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
+        # Calls sent with send_deferred whose replies have not come: what wait_deferred waits for.
+        self._deferred: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._connecting: asyncio.Lock | None = None
@@ -395,7 +397,7 @@ class AioLane:
             self._writer = None
             for fut in self._pending.values():
                 if not fut.done():
-                    fut.set_exception(KvxferError(grpc.StatusCode.UNAVAILABLE, why))
+                    fut.set_exception(ReplyLost(grpc.StatusCode.UNAVAILABLE, why))
 
     async def call(self, name: str, req: Any, timeout: float | None = None) -> Any:
         writer = await self._connected()
@@ -411,6 +413,47 @@ class AioLane:
         finally:
             self._pending.pop(call_id, None)
         return _result(name, code, payload)
+
+    async def send_deferred(self, name: str, req: Any, on_reply: Callable[[Any], None]) -> None:
+        """Sends one call of `name` and returns once it is written, without waiting for its reply:
+        the connection's reader hands the reply, or its KvxferError (ReplyLost if the connection
+        goes first), to on_reply on the loop. wait_deferred() waits for every such reply."""
+        writer = await self._connected()
+        call_id = next(self._ids) & 0xFFFFFFFF
+        fut: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
+        self._pending[call_id] = self._deferred[call_id] = fut
+        settle = _settler(name, on_reply)
+
+        def done(f: asyncio.Future[tuple[int, bytes]]) -> None:
+            self._pending.pop(call_id, None)
+            self._deferred.pop(call_id, None)
+            if f.cancelled():
+                settle(ReplyLost(grpc.StatusCode.CANCELLED, f"{name}: cancelled before its reply"))
+            else:
+                settle(f.exception() or f.result())
+
+        fut.add_done_callback(done)
+        writer.write(_frame(name, call_id, None, req))
+        # Backpressure only: returns at once unless the daemon has stopped reading.
+        await writer.drain()
+
+    def deferred(self) -> int:
+        """Deferred calls whose replies have not come yet."""
+        return len(self._deferred)
+
+    async def wait_deferred(self, timeout: float | None = None) -> None:
+        """Waits until every deferred call has its reply (each goes to its on_reply); those still
+        without one after `timeout` get ReplyLost DEADLINE_EXCEEDED (a reply that comes later
+        finds no call and is dropped)."""
+        waiting = list(self._deferred.values())
+        if not waiting:
+            return
+        _, late = await asyncio.wait(waiting, timeout=timeout)
+        for fut in late:
+            if not fut.done():
+                fut.set_exception(ReplyLost(grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply within {timeout} s"))
+        # Done-callbacks run in a later loop turn: every on_reply has run when this returns.
+        await asyncio.sleep(0)
 
     async def stream(self, name: str, req: Any, reply_cls: Any) -> AsyncIterator[Any]:
         """A server stream on a connection of its own; closing the generator (or cancelling its
