@@ -44,6 +44,7 @@ from kvxfer_client._common import (
 from kvxfer_client._lane import AioLane, RoutedStub
 from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from kvxfer_client._pinned import check_can_pin, gpu_ring_for
+from kvxfer_client._verdicts import Verdicts
 
 
 class _AsyncEngineClient:
@@ -210,8 +211,7 @@ class AsyncPrefillSender(_AsyncEngineClient):
         # Each enqueue() also asks for the next slot, of the same size (see SpareSlot); set
         # `spare.enabled = False` to turn that off. Two are held for enqueue(wait=False).
         self.spare = SpareSlot(True, depth=2)
-        # Refusals of chunks sent with enqueue(wait=False), oldest first: the next call raises them.
-        self._refused: list[ChunkRefused] = []
+        self._verdicts = Verdicts(self.spare)
 
     async def acquire(self, num_tokens: int, timeout: float = 30.0) -> Slot:
         """A slot for `num_tokens` tokens; while the ring is full the daemon holds the call until
@@ -258,7 +258,7 @@ class AsyncPrefillSender(_AsyncEngineClient):
         if not wait and isinstance(lane, AioLane):
             asked = self.spare.ask(req)
             try:
-                await lane.send_deferred("EnqueueChunk", req, lambda got: self._verdict(c, asked, got))
+                await lane.send_deferred("EnqueueChunk", req, lambda got: self._verdicts.on_reply(c, asked, got))
             except BaseException:
                 if asked:
                     self.spare.settle()
@@ -279,28 +279,13 @@ class AsyncPrefillSender(_AsyncEngineClient):
         if isinstance(lane, AioLane):
             await lane.wait_deferred(timeout or self._timeout)
         await self._give_back_surplus()
-        return self._take_refused()
+        return self._verdicts.take()
 
     async def settle(self) -> list[ChunkRefused]:
         """The refusals among the verdicts already here, oldest first, without waiting for the
         others: an engine that checks once per step learns of a refused chunk without a round trip."""
         await self._give_back_surplus()
-        return self._take_refused()
-
-    def _take_refused(self) -> list[ChunkRefused]:
-        refused, self._refused = self._refused, []
-        return refused
-
-    def _verdict(self, c: Chunk, asked: bool, got: Any) -> None:
-        """The reply to an enqueue(wait=False), handed over by the lane's reader on the loop."""
-        if isinstance(got, KvxferError):
-            if asked:
-                self.spare.settle()
-            self._refused.append(ChunkRefused(c.room, c.chunk_id, c.slot, got))
-            return
-        extra = self.spare.keep(got, c.num_tokens, asked)
-        if extra is not None:
-            self.spare.give_back(extra)  # released by the next call: a callback cannot await
+        return self._verdicts.take()
 
     async def _give_back_surplus(self) -> None:
         for extra in self.spare.surplus():
@@ -309,8 +294,7 @@ class AsyncPrefillSender(_AsyncEngineClient):
     async def _settle_deferred(self) -> None:
         """Gives back surplus spares and raises the oldest refusal not raised yet."""
         await self._give_back_surplus()
-        if self._refused:
-            raise self._refused.pop(0)
+        self._verdicts.raise_oldest()
 
     async def close(self, unregister: bool = True) -> None:
         lane = self.stub.lane

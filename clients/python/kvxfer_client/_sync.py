@@ -46,6 +46,7 @@ from kvxfer_client._common import (
 from kvxfer_client._lane import RoutedStub, SyncLane
 from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from kvxfer_client._pinned import check_can_pin, gpu_ring_for
+from kvxfer_client._verdicts import Verdicts
 
 _RETRYABLE_FULL = grpc.StatusCode.RESOURCE_EXHAUSTED
 
@@ -245,9 +246,7 @@ class PrefillSender(_EngineClient):
     def __init__(self, *, prefetch_slots: bool = True, **kwargs: Any) -> None:
         """prefetch_slots: each enqueue() also asks for a next slot, of the same size (see SpareSlot)."""
         self.spare = SpareSlot(prefetch_slots, depth=2)
-        # Refusals of chunks sent with enqueue(wait=False), oldest first: the next call raises them.
-        self._refused: list[ChunkRefused] = []
-        self._refused_lock = threading.Lock()
+        self._verdicts = Verdicts(self.spare)
         super().__init__(**kwargs)
 
     def acquire(self, num_tokens: int, timeout: float = 30.0) -> Slot:
@@ -297,7 +296,7 @@ class PrefillSender(_EngineClient):
         lane = self.stub.lane
         if not wait and isinstance(lane, SyncLane):
             asked = self.spare.ask(req)
-            lane.send_deferred("EnqueueChunk", req, lambda got: self._verdict(c, asked, got), self._timeout)
+            lane.send_deferred("EnqueueChunk", req, lambda got: self._verdicts.on_reply(c, asked, got), self._timeout)
             return
         with self.spare.asking(req, depth=1) as asked:
             reply = self._call(self.stub.EnqueueChunk, req)
@@ -314,36 +313,19 @@ class PrefillSender(_EngineClient):
         lane = self.stub.lane
         if isinstance(lane, SyncLane):
             lane.wait_deferred(timeout or self._timeout)
-        return self._take_refused()
+        return self._verdicts.take()
 
     def settle(self) -> list[ChunkRefused]:
         """The refusals among the verdicts already here for this thread's enqueue(wait=False)
         chunks, oldest first, without waiting for the others (flush() waits for them all): an
         engine that checks once per scheduler step learns of a refused chunk without a round trip."""
         self._read_verdicts()
-        return self._take_refused()
-
-    def _take_refused(self) -> list[ChunkRefused]:
-        with self._refused_lock:
-            refused, self._refused = self._refused, []
-        return refused
-
-    def _verdict(self, c: Chunk, asked: bool, got: Any) -> None:
-        """The reply to an enqueue(wait=False), read by a later call on the same thread."""
-        if isinstance(got, KvxferError):
-            if asked:
-                self.spare.settle()
-            with self._refused_lock:
-                self._refused.append(ChunkRefused(c.room, c.chunk_id, c.slot, got))
-            return
-        extra = self.spare.keep(got, c.num_tokens, asked)
-        if extra is not None:
-            self.spare.give_back(extra)
+        return self._verdicts.take()
 
     def _settle_deferred(self) -> None:
         """Reads the verdicts that are already here, gives back surplus spares, raises a refusal."""
         self._read_verdicts()
-        self._raise_refused()
+        self._verdicts.raise_oldest()
 
     def _read_verdicts(self) -> None:
         """Reads, without waiting, the verdicts already here; gives back the spares they made surplus."""
@@ -352,12 +334,6 @@ class PrefillSender(_EngineClient):
             lane.poll_deferred()  # returns at once when nothing was sent without waiting
         for extra in self.spare.surplus():
             self.release_slot(extra)
-
-    def _raise_refused(self) -> None:
-        with self._refused_lock:
-            refused = self._refused.pop(0) if self._refused else None
-        if refused is not None:
-            raise refused
 
     def close(self, unregister: bool = True) -> None:
         lane = self.stub.lane

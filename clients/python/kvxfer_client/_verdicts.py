@@ -1,0 +1,43 @@
+"""What the verdicts on chunks sent with enqueue(wait=False) leave behind, for either client: the
+refusals the engine has not been told of yet, and the spare slots accepted chunks brought."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from kvxfer_client._common import Chunk, ChunkRefused, KvxferError, SpareSlot
+
+
+class Verdicts:
+    def __init__(self, spare: SpareSlot) -> None:
+        self._spare = spare
+        self._lock = threading.Lock()  # the blocking client reads verdicts on any of its threads
+        self._refused: list[ChunkRefused] = []  # oldest first
+
+    def on_reply(self, c: Chunk, asked: bool, got: Any) -> None:
+        """The daemon's reply to chunk `c` (or the KvxferError that stands for it); `asked`: its
+        request asked for a spare slot."""
+        if isinstance(got, KvxferError):
+            if asked:
+                self._spare.settle()
+            with self._lock:
+                self._refused.append(ChunkRefused(c.room, c.chunk_id, c.slot, got))
+            return
+        extra = self._spare.keep(got, c.num_tokens, asked)
+        if extra is not None:
+            # Released by the engine's next call: whoever read the reply must not start one.
+            self._spare.give_back(extra)
+
+    def take(self) -> list[ChunkRefused]:
+        """Every refusal not handed over yet, oldest first."""
+        with self._lock:
+            refused, self._refused = self._refused, []
+        return refused
+
+    def raise_oldest(self) -> None:
+        """Raises the oldest refusal not handed over yet, if any."""
+        with self._lock:
+            refused = self._refused.pop(0) if self._refused else None
+        if refused is not None:
+            raise refused
