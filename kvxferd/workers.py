@@ -52,11 +52,11 @@ _POLL_MAX_S = 0.0005
 # must cost ~nothing; NIXL has no blocking wait for notifications).
 _NOTIF_BUSY_S = 0.001
 _NOTIF_IDLE_S = 0.05
-# Merging: at most this many jobs in one WRITE (its notification lists every part of each), and
-# how far down a thread's queue a job looks for partners.
+# Merging: at most this many jobs in one WRITE (its notification lists every part of each; the
+# bytes are capped by Config.merge_max_bytes), and how far down a thread's queue a job looks for
+# partners.
 _MERGE_MAX = 8
 _MERGE_SCAN = 64
-# (and at most Config.merge_max_bytes in one WRITE).
 
 
 def _deliver(jobs: list[TransferJob], state: XferState, error: str) -> None:

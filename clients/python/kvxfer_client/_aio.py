@@ -256,13 +256,10 @@ class AsyncPrefillSender(_AsyncEngineClient):
         req = chunk_request(self.engine_id, c)
         lane = self.stub.lane
         if not wait and isinstance(lane, AioLane):
-            asked = self.spare.ask(req)
-            try:
+            # send_deferred raises only when nothing was sent (then the ask is settled here);
+            # once sent, the verdict or the connection's loss reaches on_reply instead.
+            with self.spare.asking(req) as asked:
                 await lane.send_deferred("EnqueueChunk", req, lambda got: self._verdicts.on_reply(c, asked, got))
-            except BaseException:
-                if asked:
-                    self.spare.settle()
-                raise
             return
         with self.spare.asking(req, depth=1) as asked:
             reply = await self._call(self.stub.EnqueueChunk, req)
@@ -300,13 +297,13 @@ class AsyncPrefillSender(_AsyncEngineClient):
         lane = self.stub.lane
         if isinstance(lane, AioLane):
             await lane.wait_deferred(self._timeout)  # what was sent goes in before the engine leaves
-        for spare in self.spare.drop():
-            if unregister or self.reg is None:
-                break
-            try:
-                await self.release_slot(spare)
-            except KvxferError:
-                pass  # the daemon frees it with the engine's lease anyway
+        spares = self.spare.drop()
+        if not unregister and self.reg is not None:
+            for spare in spares:
+                try:
+                    await self.release_slot(spare)
+                except KvxferError:
+                    pass  # the daemon frees it with the engine's lease anyway
         await super().close(unregister)
 
     async def enqueue_many(self, chunks: list[Chunk]) -> list[KvxferError | None]:

@@ -417,7 +417,8 @@ class AioLane:
     async def send_deferred(self, name: str, req: Any, on_reply: Callable[[Any], None]) -> None:
         """Sends one call of `name` and returns once it is written, without waiting for its reply:
         the connection's reader hands the reply, or its KvxferError (ReplyLost if the connection
-        goes first), to on_reply on the loop. wait_deferred() waits for every such reply."""
+        goes first), to on_reply on the loop. wait_deferred() waits for every such reply. Raises
+        only when the call could not be sent (no connection): on_reply is then never called."""
         writer = await self._connected()
         call_id = next(self._ids) & 0xFFFFFFFF
         fut: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
@@ -434,8 +435,11 @@ class AioLane:
 
         fut.add_done_callback(done)
         writer.write(_frame(name, call_id, None, req))
-        # Backpressure only: returns at once unless the daemon has stopped reading.
-        await writer.drain()
+        try:
+            # Backpressure only: returns at once unless the daemon has stopped reading.
+            await writer.drain()
+        except OSError:
+            pass  # the connection went: the reader fails this call (ReplyLost) through on_reply
 
     def deferred(self) -> int:
         """Deferred calls whose replies have not come yet."""
