@@ -40,7 +40,6 @@ from typing import Any
 import grpc
 
 from kvxferd.owned import bind_unix_socket
-from kvxferd.sockio import DirectWriter
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +107,6 @@ class _LaneConnection(asyncio.Protocol):
         self._server = server
         self._buf = bytearray()
         self._transport: asyncio.Transport | None = None
-        self._writer: DirectWriter | None = None
         self._calls: set[asyncio.Task[None]] = set()
         self._out: list[bytes] = []
         # Cleared while the engine reads slower than we write: streams stop taking events, so
@@ -124,13 +122,11 @@ class _LaneConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport
-        self._writer = DirectWriter(transport)
         self._server._conns.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._server._conns.discard(self)
         self._transport = None
-        self._writer = None
         self._writable.set()
         for task in self._calls:
             task.cancel()  # e.g. an AcquireSlot waiting for space, or a stream: its caller is gone
@@ -238,8 +234,8 @@ class _LaneConnection(asyncio.Protocol):
 
     def _flush(self) -> None:
         out, self._out = self._out, []
-        if out and self._writer is not None and self._transport is not None and not self._transport.is_closing():
-            self._writer.write(b"".join(out))
+        if out and self._transport is not None and not self._transport.is_closing():
+            self._transport.write(b"".join(out))
 
 
 async def _resume(call: Coroutine[Any, Any, None], waiting_on: Any) -> None:

@@ -26,7 +26,6 @@ from kvxfer_client._pb.kvxfer.v1 import peer_pb2
 from kvxferd.config import Config, split_hostport
 from kvxferd.errors import KvxferError
 from kvxferd.peer_auth import client_tls_context, ids_from_peercert
-from kvxferd.sockio import DirectWriter
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +60,6 @@ class WireStream:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_frame: int) -> None:
         self._reader = reader
         self._writer = writer
-        self._direct = DirectWriter(writer.transport)
         self._max_frame = max_frame
 
     @property
@@ -83,7 +81,7 @@ class WireStream:
     def _send(self, kind: int, payload: bytes) -> None:
         if self._writer.is_closing():
             raise ConnectionResetError("the control stream is closed")
-        self._direct.write(FRAME.pack(len(payload), kind) + payload)
+        self._writer.write(FRAME.pack(len(payload), kind) + payload)
 
     async def refuse(self, code: int, reason: str) -> None:
         """Tells the dialer why its stream is refused, then closes it."""
