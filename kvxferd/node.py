@@ -131,7 +131,6 @@ class Node:
         for cap in self.caps():
             m.cap_used.labels(cap=cap.name).set(cap.used)
             m.cap_limit.labels(cap=cap.name).set(cap.limit)
-        self.send.scheduler.sync_gauges()
 
     def _engine_gone(self, eng: Engine, code: FailureCode, reason: str) -> None:
         self.send.engine_gone(eng, code, reason)
