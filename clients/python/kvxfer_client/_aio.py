@@ -275,8 +275,7 @@ class AsyncPrefillSender(_AsyncEngineClient):
         lane = self.stub.lane
         if isinstance(lane, AioLane):
             await lane.wait_deferred(timeout or self._timeout)
-        await self._give_back_surplus()
-        return self._verdicts.take()
+        return await self.settle()
 
     async def settle(self) -> list[ChunkRefused]:
         """The refusals among the verdicts already here, oldest first, without waiting for the
