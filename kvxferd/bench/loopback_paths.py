@@ -276,7 +276,9 @@ def run_sweep(bench: LoopbackBench, progress: Callable[[str, bool], None]) -> No
     for chunk in s.chunk_tokens:
         for conc in s.concurrency:
             headline = chunk == s.headline_chunk and conc == s.headline_concurrency
-            reps = s.headline_repeats if headline else 1
+            # Every chunk size's ratio to raw NIXL is a target: each is a median of interleaved runs,
+            # not one run that a passing burst of load can sink.
+            reps = s.headline_repeats if conc == s.headline_concurrency else 1
             for rep in range(reps):
                 tag = f" (run {rep + 1}/{reps})" if reps > 1 else ""
                 progress(f"raw NIXL      chunk {chunk} tok, {conc} in flight{tag}", False)
@@ -294,19 +296,23 @@ def run_sweep(bench: LoopbackBench, progress: Callable[[str, bool], None]) -> No
         progress("", True)
     # Mixed TP runs right after a same-TP run of the same point, and the per-token path right
     # after its mixed-TP run: each ratio compares runs that saw the same machine (a shared
-    # machine's load drifts over minutes).
+    # machine's load drifts over minutes). The rounds repeat, interleaved; the report takes the
+    # median of the rounds' ratios.
     hc = s.headline_concurrency
     for chunk in s.chunk_tokens:
-        progress(f"kvxferd TP 1→1 (reference) chunk {chunk} tok, {hc} in flight", False)
-        ref = bench.kvx_point(same, chunk, hc, path="kvxferd_same_tp_ref")
-        for ptp, dtp in s.mixed_tp:
-            g = bench.groups[(ptp, dtp)]
-            progress(f"kvxferd TP {ptp}→{dtp} chunk {chunk} tok, {hc} in flight", False)
-            bench.kvx_point(g, chunk, hc, same_tp_ref_gbps=ref["throughput_gbps"],
-                            profile=bool(bench.profile_dir) and chunk == s.headline_chunk)
-            if chunk == s.headline_chunk:
-                progress(f"per-token descriptors TP {ptp}→{dtp}", False)
-                bench.raw_point("nixl", chunk, hc, f"per_token_tp{ptp}to{dtp}", per_token=(ptp, dtp))
+        reps = s.headline_repeats
+        for rep in range(reps):
+            tag = f" (run {rep + 1}/{reps})" if reps > 1 else ""
+            progress(f"kvxferd TP 1→1 (reference) chunk {chunk} tok, {hc} in flight{tag}", False)
+            ref = bench.kvx_point(same, chunk, hc, path="kvxferd_same_tp_ref", repeat=rep)
+            for ptp, dtp in s.mixed_tp:
+                g = bench.groups[(ptp, dtp)]
+                progress(f"kvxferd TP {ptp}→{dtp} chunk {chunk} tok, {hc} in flight{tag}", False)
+                bench.kvx_point(g, chunk, hc, same_tp_ref_gbps=ref["throughput_gbps"], repeat=rep,
+                                profile=bool(bench.profile_dir) and chunk == s.headline_chunk and rep == 0)
+                if chunk == s.headline_chunk and rep == 0:
+                    progress(f"per-token descriptors TP {ptp}→{dtp}", False)
+                    bench.raw_point("nixl", chunk, hc, f"per_token_tp{ptp}to{dtp}", per_token=(ptp, dtp))
         progress("", True)
 
 

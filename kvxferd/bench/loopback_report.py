@@ -83,6 +83,12 @@ def _gbps(p: dict[str, Any] | None) -> float | None:
     return None if p is None else float(p["throughput_gbps"])
 
 
+def _mixed_ratio(points: Sequence[dict[str, Any]], ptp: int, dtp: int, chunk: int, conc: int) -> float | None:
+    """Median over the rounds of (mixed-TP throughput / the same-TP run made just before it)."""
+    return _median([r for p in _all(points, tp_path(ptp, dtp), chunk, conc)
+                    if (r := ratio(_gbps(p), p.get("same_tp_ref_gbps"))) is not None])
+
+
 def compute_ratios(s: Settings, points: Sequence[dict[str, Any]], verified: bool,
                    unavailable: dict[str, str]) -> dict[str, Any]:
     ch, hc, tc = s.headline_chunk, s.headline_concurrency, s.tail_concurrency
@@ -93,12 +99,10 @@ def compute_ratios(s: Settings, points: Sequence[dict[str, Any]], verified: bool
     mixed = {}
     per_token = {}
     for ptp, dtp in s.mixed_tp:
-        mp = _find(points, tp_path(ptp, dtp), ch, hc)
-        m = _gbps(mp)
         # Against the same-TP run made just before it (same machine state), see run_sweep.
-        mixed[f"{ptp}->{dtp}"] = ratio(m, mp.get("same_tp_ref_gbps") if mp else None)
+        mixed[f"{ptp}->{dtp}"] = _mixed_ratio(points, ptp, dtp, ch, hc)
         pt = _median_gbps(points, f"per_token_tp{ptp}to{dtp}", ch, hc)
-        per_token[f"{ptp}->{dtp}"] = ratio(m, pt)
+        per_token[f"{ptp}->{dtp}"] = ratio(_median_gbps(points, tp_path(ptp, dtp), ch, hc), pt)
     cpu = {path: _median_cpu_per_gb(points, path, ch, hc) for path in ("raw_nixl", "kvxferd")}
     mixed_vals = [v for v in mixed.values() if v is not None]
     pt_vals = [v for v in per_token.values() if v is not None]
@@ -133,9 +137,10 @@ def compute_ratios(s: Settings, points: Sequence[dict[str, Any]], verified: bool
             "kvxferd_over_mooncake": ratio(_median_gbps(points, "kvxferd", c, hc),
                                            _median_gbps(points, "mooncake_tcp", c, hc)),
             "p99_over_p50_at_tail": (_find(points, "kvxferd", c, tc) or {}).get("latency_ms", {}).get("p99_over_p50"),
-            "mixed_tp_over_same_tp": {
-                f"{p}->{d}": ratio(_gbps(_find(points, tp_path(p, d), c, hc)),
-                                   (_find(points, tp_path(p, d), c, hc) or {}).get("same_tp_ref_gbps"))
+            "mixed_tp_over_same_tp": {f"{p}->{d}": _mixed_ratio(points, p, d, c, hc) for p, d in s.mixed_tp},
+            "mixed_tp_runs": {
+                f"{p}->{d}": [round(r, 4) for q in _all(points, tp_path(p, d), c, hc)
+                              if (r := ratio(_gbps(q), q.get("same_tp_ref_gbps"))) is not None]
                 for p, d in s.mixed_tp
             },
         }

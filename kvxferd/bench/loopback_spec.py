@@ -57,7 +57,9 @@ class Settings:
     mooncake_point_bytes: int = 1 << 30
     per_token_bytes: int = 192 << 20
     rooms_per_in_flight: int = 2  # rooms per point >= (this + 1) x in flight (latency samples)
-    headline_repeats: int = 3  # the headline point runs this often (interleaved); ratios use medians
+    # Each chunk size's point at the headline concurrency, and each chunk size's mixed-TP round
+    # (its same-TP reference, then each pair), run this often, interleaved; ratios use medians.
+    headline_repeats: int = 3
     timeout_s: float = 240.0
     quick: bool = False
     enqueue_wait: bool = False  # prefill engines wait for each EnqueueChunk's verdict
