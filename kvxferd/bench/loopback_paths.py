@@ -269,6 +269,11 @@ def _ragged_chunks(room_tokens: int, page: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _run_tag(rep: int, reps: int) -> str:
+    """How the progress line names a repeated point's run ("" when it runs once)."""
+    return f" (run {rep + 1}/{reps})" if reps > 1 else ""
+
+
 def run_sweep(bench: LoopbackBench, progress: Callable[[str, bool], None]) -> None:
     """Points in a fixed order; each (chunk, in flight) point runs raw NIXL, kvxferd and Mooncake back to back."""
     s = bench.s
@@ -280,7 +285,7 @@ def run_sweep(bench: LoopbackBench, progress: Callable[[str, bool], None]) -> No
             # not one run that a passing burst of load can sink.
             reps = s.headline_repeats if conc == s.headline_concurrency else 1
             for rep in range(reps):
-                tag = f" (run {rep + 1}/{reps})" if reps > 1 else ""
+                tag = _run_tag(rep, reps)
                 progress(f"raw NIXL      chunk {chunk} tok, {conc} in flight{tag}", False)
                 bench.raw_point("nixl", chunk, conc, "raw_nixl", repeat=rep)
                 progress(f"kvxferd       chunk {chunk} tok, {conc} in flight{tag}", False)
@@ -302,7 +307,7 @@ def run_sweep(bench: LoopbackBench, progress: Callable[[str, bool], None]) -> No
     for chunk in s.chunk_tokens:
         reps = s.headline_repeats
         for rep in range(reps):
-            tag = f" (run {rep + 1}/{reps})" if reps > 1 else ""
+            tag = _run_tag(rep, reps)
             progress(f"kvxferd TP 1→1 (reference) chunk {chunk} tok, {hc} in flight{tag}", False)
             ref = bench.kvx_point(same, chunk, hc, path="kvxferd_same_tp_ref", repeat=rep)
             for ptp, dtp in s.mixed_tp:

@@ -83,10 +83,15 @@ def _gbps(p: dict[str, Any] | None) -> float | None:
     return None if p is None else float(p["throughput_gbps"])
 
 
+def _mixed_runs(points: Sequence[dict[str, Any]], ptp: int, dtp: int, chunk: int, conc: int) -> list[float]:
+    """Per round, mixed-TP throughput / the same-TP run made just before it."""
+    return [r for p in _all(points, tp_path(ptp, dtp), chunk, conc)
+            if (r := ratio(_gbps(p), p.get("same_tp_ref_gbps"))) is not None]
+
+
 def _mixed_ratio(points: Sequence[dict[str, Any]], ptp: int, dtp: int, chunk: int, conc: int) -> float | None:
-    """Median over the rounds of (mixed-TP throughput / the same-TP run made just before it)."""
-    return _median([r for p in _all(points, tp_path(ptp, dtp), chunk, conc)
-                    if (r := ratio(_gbps(p), p.get("same_tp_ref_gbps"))) is not None])
+    """Median over the rounds of _mixed_runs."""
+    return _median(_mixed_runs(points, ptp, dtp, chunk, conc))
 
 
 def compute_ratios(s: Settings, points: Sequence[dict[str, Any]], verified: bool,
@@ -138,11 +143,8 @@ def compute_ratios(s: Settings, points: Sequence[dict[str, Any]], verified: bool
                                            _median_gbps(points, "mooncake_tcp", c, hc)),
             "p99_over_p50_at_tail": (_find(points, "kvxferd", c, tc) or {}).get("latency_ms", {}).get("p99_over_p50"),
             "mixed_tp_over_same_tp": {f"{p}->{d}": _mixed_ratio(points, p, d, c, hc) for p, d in s.mixed_tp},
-            "mixed_tp_runs": {
-                f"{p}->{d}": [round(r, 4) for q in _all(points, tp_path(p, d), c, hc)
-                              if (r := ratio(_gbps(q), q.get("same_tp_ref_gbps"))) is not None]
-                for p, d in s.mixed_tp
-            },
+            "mixed_tp_runs": {f"{p}->{d}": [round(r, 4) for r in _mixed_runs(points, p, d, c, hc)]
+                              for p, d in s.mixed_tp},
         }
     out["by_chunk_tokens"] = by_chunk
     return out
