@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import time
 from typing import Any
 
 import grpc
@@ -112,6 +113,25 @@ def test_settle_hands_over_the_refusals_already_read_without_waiting(daemons: An
         tx.enqueue(3, 0, 0, 8, slot, last=True, wait=False)
         assert tx.flush() == []
         assert tx.poll(3).state is RoomState.BOOTSTRAPPING  # the slot was still ours: it went in
+
+
+def test_reading_the_verdicts_already_here_never_waits_for_one(daemons: Any) -> None:
+    """settle() (and acquire()/enqueue(), which read the same way) take what has arrived and
+    return; a verdict still on its way stays outstanding on a connection that stays open."""
+    d = daemons("defer-nowait")
+    with PrefillSender(socket=d.socket, group="g", layout=LAYOUT, ring_bytes=1 << 20, call_timeout=5.0) as tx:
+        slot = tx.acquire(8)
+        os.kill(d.proc.pid, signal.SIGSTOP)
+        try:
+            tx.enqueue(1, 0, 0, 8, slot, last=True, wait=False)
+            t0 = time.monotonic()
+            assert tx.settle() == []
+            assert time.monotonic() - t0 < 1.0  # not the call timeout (5 s)
+            assert tx.stub.lane is not None and tx.stub.lane.deferred() == 1
+        finally:
+            os.kill(d.proc.pid, signal.SIGCONT)
+        assert tx.flush() == []  # the same connection: the verdict comes in, an acceptance
+        assert tx.poll(1).state is RoomState.BOOTSTRAPPING
 
 
 def test_a_silent_daemon_does_not_hang_the_engine(daemons: Any) -> None:

@@ -235,8 +235,11 @@ class SyncLane:
         if conn is None or not conn.deferred:
             return
         try:
+            # A socket with a timeout waits for readability before every recv, MSG_DONTWAIT or
+            # not: only a zero timeout makes this read return at once when nothing is there.
+            conn.sock.settimeout(0.0)
             while True:
-                data = conn.sock.recv(1 << 16, socket.MSG_DONTWAIT)
+                data = conn.sock.recv(1 << 16)
                 if not data:
                     raise ConnectionResetError("connection closed by the daemon")
                 conn.buf += data
