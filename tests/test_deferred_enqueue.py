@@ -50,11 +50,11 @@ def test_chunks_sent_without_waiting_land_byte_exact(daemons: Any) -> None:
         assert final.state is RoomState.SUCCESS
         assert [got[c] for c in range(chunks)] == data
         assert tx.wait(1, timeout=10).state is RoomState.SUCCESS
-        # One EnqueueChunk per chunk and one AcquireSlot in all: the ring never fills, so each
-        # verdict brings the next chunk's slot, and acquire() waits for the verdict on its way
-        # rather than asking again.
+        # One EnqueueChunk per chunk and no AcquireSlot for most of them: after an AcquireSlot
+        # every earlier verdict has been read, and two spares are held ahead, so at worst every
+        # other chunk asks.
         assert metric(pre, RPCS, 'method="EnqueueChunk"') == chunks
-        assert metric(pre, RPCS, 'method="AcquireSlot"') == 1
+        assert 1 <= metric(pre, RPCS, 'method="AcquireSlot"') <= chunks // 2 + 1
         # The spares are the engine's (at most two), and go back when it leaves.
         held = [e.slots_held for e in status(pre.socket).engines]
         assert held == [len(tx.spare._held)] and held[0] <= 2

@@ -363,11 +363,6 @@ class SpareSlot:
             stale = self._held.pop(0)[1] if self._held else None
         return None, stale
 
-    def asked(self) -> int:
-        """Asks whose replies are still to come (each may bring a slot)."""
-        with self._lock:
-            return self._asked
-
     def ask(self, req: engine_pb2.EnqueueChunkRequest, depth: int | None = None) -> bool:
         """Asks for a spare in `req` when fewer than `depth` (at most the constructor's) are held
         or asked for; says whether it did (the reply, or its failure, must then reach keep() or

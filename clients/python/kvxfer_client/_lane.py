@@ -254,22 +254,6 @@ class SyncLane:
             got_id, code, payload = _read_frame(conn.sock, conn.buf)
             self._settle(conn, got_id, code, payload)
 
-    def read_deferred(self, timeout: float | None = None) -> None:
-        """Blocks until one more reply to this thread's deferred calls is here, then reads the
-        others already here (each goes to its on_reply); a daemon that stays silent for
-        `timeout` fails them all DEADLINE_EXCEEDED."""
-        conn = self._current()
-        if conn is None or not conn.deferred:
-            return
-        try:
-            conn.sock.settimeout(timeout)
-            got_id, code, payload = _read_frame(conn.sock, conn.buf)
-        except OSError as exc:
-            self._lose(conn, exc, "", timeout)
-            return
-        self._settle(conn, got_id, code, payload)
-        self.poll_deferred()
-
     def wait_deferred(self, timeout: float | None = None) -> None:
         """Blocks until every deferred call of this thread has its reply (each goes to its
         on_reply); a daemon that stays silent for `timeout` fails them DEADLINE_EXCEEDED."""

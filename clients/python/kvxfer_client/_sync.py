@@ -255,21 +255,11 @@ class PrefillSender(_EngineClient):
         transfer frees one (no polling), up to `timeout`."""
         self._settle_deferred()
         spare, stale = self.spare.take(num_tokens)
-        deadline = time.monotonic() + timeout
-        lane = self.stub.lane
-        # A verdict on its way may bring a slot: waiting for it costs one read, where AcquireSlot
-        # costs a round trip and leaves that slot surplus, for another round trip to give back.
-        while spare is None and stale is None and isinstance(lane, SyncLane) and self.spare.asked() and lane.deferred():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            lane.read_deferred(min(left, self._timeout))
-            self._settle_deferred()
-            spare, stale = self.spare.take(num_tokens)
         if stale is not None:
             self.release_slot(stale)
         if spare is not None:
             return spare
+        deadline = time.monotonic() + timeout
         while True:
             req = acquire_request(self.engine_id, num_tokens, deadline, self._timeout)
             try:
