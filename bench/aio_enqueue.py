@@ -2,6 +2,7 @@
 one real daemon, one AsyncPrefillSender on its lane, chunks of one token (control cost only),
 interleaved rounds. The rooms are never bootstrapped, so the daemon validates and parks each chunk
 (as `kvxferd bench rpc` does); every chunk must be accepted (flush() returns no refusal).
+--client sync measures the blocking PrefillSender the same way.
 
     .venv/bin/python bench/aio_enqueue.py --chunks 20000 --rounds 3 --json bench/results/x.json
 
@@ -25,7 +26,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvxfer_client import AsyncPrefillSender, Layout  # noqa: E402
+from kvxfer_client import AsyncPrefillSender, Layout, PrefillSender  # noqa: E402
 from kvxferd.bench._common import start_daemon  # noqa: E402
 
 LAYOUT = Layout(num_layers=2, total_kv_heads=2, head_dim=32, dtype_bytes=2, page_size=16, dtype="bfloat16")
@@ -55,11 +56,34 @@ async def one_run(socket: str, wait: bool, chunks: int, base_room: int) -> dict[
             "engine_cpu_us_per_chunk": round(cpu / chunks * 1e6, 1)}
 
 
+def one_sync_run(socket: str, wait: bool, chunks: int, base_room: int) -> dict[str, Any]:
+    tx = PrefillSender(socket=socket, group=f"sync-{base_room}", layout=LAYOUT, ring_bytes=256 << 20)
+
+    def send(room0: int, n: int) -> None:
+        for i in range(n):
+            cid = i % CHUNKS_PER_ROOM
+            tx.enqueue(room0 + i // CHUNKS_PER_ROOM, cid, cid, 1, tx.acquire(1),
+                       last=cid == CHUNKS_PER_ROOM - 1, wait=wait)
+        refused = tx.flush()
+        assert not refused, refused[:2]
+
+    try:
+        send(base_room + 900_000, 200)
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        send(base_room, chunks)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    finally:
+        tx.close()
+    return {"client": "sync", "wait": wait, "chunks": chunks, "chunks_per_s": round(chunks / wall),
+            "engine_cpu_us_per_chunk": round(cpu / chunks * 1e6, 1)}
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--chunks", type=int, default=20000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--client", choices=("aio", "sync"), default="aio")
     args = ap.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="kvx-aio-"))
     d = start_daemon(workdir, "d", 1 << 30)
@@ -72,7 +96,11 @@ async def main() -> None:
     try:
         for r in range(args.rounds):
             for wait in (True, False):
-                res = await one_run(d.socket, wait, args.chunks, (2 * r + int(wait) + 1) * 1_000_000)
+                base = (2 * r + int(wait) + 1) * 1_000_000
+                if args.client == "sync":
+                    res = one_sync_run(d.socket, wait, args.chunks, base)
+                else:
+                    res = await one_run(d.socket, wait, args.chunks, base)
                 res["round"] = r
                 print(json.dumps(res), flush=True)
                 runs.append(res)

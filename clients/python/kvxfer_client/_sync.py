@@ -250,9 +250,9 @@ class PrefillSender(_EngineClient):
         super().__init__(**kwargs)
 
     def acquire(self, num_tokens: int, timeout: float = 30.0) -> Slot:
-        """A slot for `num_tokens` tokens: a spare one in hand, else the one a verdict on its way
-        brings, else AcquireSlot; while the ring is full the daemon holds that call until a
-        transfer frees one (no polling), up to `timeout`."""
+        """A slot for `num_tokens` tokens: a spare one in hand (verdicts already here are read
+        first, without waiting), else AcquireSlot; while the ring is full the daemon holds that
+        call until a transfer frees one (no polling), up to `timeout`."""
         self._settle_deferred()
         spare, stale = self.spare.take(num_tokens)
         if stale is not None:
@@ -286,8 +286,8 @@ class PrefillSender(_EngineClient):
         wait=False (over the daemon's lane; over gRPC it waits anyway): returns once the request
         is written, without waiting for the daemon's verdict. The engine then fills its next
         chunk while the daemon takes this one, and a slot for the next chunk comes back with
-        the verdict (acquire() with none in hand waits for a verdict that may bring one, rather
-        than asking the daemon anew). A refused chunk
+        the verdict (two are held ahead; acquire() with none in hand asks the daemon rather than
+        wait for a verdict). A refused chunk
         is raised as ChunkRefused (its room, chunk and slot; the daemon changed nothing for it
         and the slot is still the engine's) by this thread's next acquire() or enqueue(),
         before that call does anything, or returned by flush(). Every call of this client
