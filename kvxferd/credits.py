@@ -86,8 +86,8 @@ class CreditLedger:
         self._grant(peer, eng, 0, room_bytes)
 
     def request(self, peer: Link, eng: Engine, nbytes: int) -> None:
-        if nbytes > eng.ring.size:
-            return  # the sender checks this against the ring size itself and fails the room
+        if not eng.ring.alloc.fits_ever(nbytes):
+            return  # never grantable: RecvSide.credit_request fails the rooms it may be for instead
         if self._grant(peer, eng, nbytes):
             return
         q = self._waiting.setdefault(eng.id, deque())
@@ -336,6 +336,10 @@ class CreditWindow:
         dropped = []
         for ring, q in list(self._waiters.items()):
             if any(w[1] == room for w in q):
+                if q[0][1] == room:
+                    # The request out for this ring was for the chunk at the head, which may never
+                    # be granted (a part larger than the ring fails its room): the next head asks anew.
+                    self._asked.discard(ring)
                 dropped += [w for w in q if w[1] == room]
                 self._waiters[ring] = deque(w for w in q if w[1] != room)
         for _, _, waiter in dropped:

@@ -359,8 +359,9 @@ class Node:
         # A room the receive side has is never tombstoned for the send side (an abort meant for it).
         got_recv = self.recv.peer_abort(peer, key, code, reason)
         got_send = self.send.peer_abort(peer, key, code, reason, remember=not got_recv)
-        if not got_recv and not got_send:
-            self.recv.nothing_held(peer, key)
+        if not got_recv and not got_send and peer.up:
+            # A room neither side has: the prefill side may reuse whatever it cut for it.
+            peer.send_release(rooms=[key])
 
     def on_notifs(self, notifs: Iterable[tuple[str, bytes]]) -> None:
         self.recv.on_notifs(notifs)

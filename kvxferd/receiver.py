@@ -17,14 +17,7 @@ from kvxferd.config import Config, _valid_hostport
 from kvxferd.credits import CreditLedger
 from kvxferd.domain import FailureCode, Role, RoomKey, RoomState, ZeroCopyTarget
 from kvxferd.engines import MAX_TOKENS, Engine, EngineTable
-from kvxferd.errors import (
-    AlreadyExists,
-    FailedPrecondition,
-    InvalidArgument,
-    KvxferError,
-    NotFound,
-    PermissionDenied,
-)
+from kvxferd.errors import AlreadyExists, FailedPrecondition, InvalidArgument, KvxferError, NotFound, PermissionDenied
 from kvxferd.events import EventHub, RoomClock, count_finished, deadline_reason
 from kvxferd.layout import part_bytes, plan
 from kvxferd.limits import MAX_ADDRESS, MAX_GROUP, ROOMS_PER_ENGINE, check_len
@@ -250,12 +243,20 @@ class RecvSide:
 
     def credit_request(self, peer: Link, ring: str, nbytes: int) -> None:
         eng = self.engines.engines.get(ring)
-        if eng is None or eng.closing or eng.role is not Role.DECODE or nbytes <= 0:
+        if eng is None or eng.closing or eng.role is not Role.DECODE or eng.spec.zero_copy or nbytes <= 0:
             return
         # Only a peer that bootstraps rooms of this reader may ask for its space.
-        if not any((r := self.rooms.get(rid)) is not None and r.peer is peer for rid in eng.recv_rooms):
+        rooms = [r for rid in eng.recv_rooms if (r := self.rooms.get(rid)) is not None and r.peer is peer]
+        if rooms and eng.ring.alloc.fits_ever(nbytes):
+            self.ledger.request(peer, eng, nbytes)
             return
-        self.ledger.request(peer, eng, nbytes)
+        # A chunk part larger than the whole ring never gets space (and chunks behind it would wait
+        # too): the rooms it may be for, with that many tokens still to come here, fail on both sides.
+        tokens = -(-nbytes // part_bytes(eng.spec.layout, eng.spec.parallel.tp_size, eng.rank, 1))
+        why = f"a chunk part of {nbytes} B can never fit the {eng.ring.size} B ring of decode rank {eng.rank}"
+        for r in rooms:
+            if not r.finished and r.tokens_left(eng.rank) >= tokens:
+                self.fail(r, FailureCode.MISMATCH, why)
 
     # ------------------------------------------------------------------ landed chunks
 
@@ -382,15 +383,16 @@ class RecvSide:
                 raise InvalidArgument(f"room {key}: chunk {cid} has not landed for this reader")
             if slot.consumed:
                 raise AlreadyExists(f"room {key}: chunk {cid} was already watermarked")
-        freed = []
         for cid in ids:
-            slot = rs.slots[cid]
-            slot.consumed = True
-            if self._free_slot(slot):
-                freed.append((slot.credit_id, slot.credit_offset))
+            rs.slots[cid].consumed = True
+        self._let_go(room, [rs.slots[cid] for cid in ids])
+        return eng.ring.alloc.watermark()
+
+    def _let_go(self, room: RecvRoom, slots: Iterable[InSlot]) -> None:
+        """Lets go of these slots' ranges here and tells the prefill side it may reuse them."""
+        freed = [(s.credit_id, s.credit_offset) for s in slots if self._free_slot(s)]
         if freed and room.peer is not None and room.peer.up and not room.ranges_released:
             room.peer.send_release(ranges=freed)
-        return eng.ring.alloc.watermark()
 
     def _free_slot(self, slot: InSlot) -> bool:
         """Lets go of a slot's range here; True if the prefill side should hear of it."""
@@ -454,17 +456,16 @@ class RecvSide:
         self._release_all(room)
         self.clock.cancel(room)
 
-
     def release(self, eng: Engine, room: RecvRoom) -> None:
-        rs = room.readers[eng.rank]
-        rs.released = True
+        room.readers[eng.rank].released = True
         eng.recv_rooms.discard(room.key.id)
         if all(r.released for r in room.readers.values()):
             self._forget(room)
 
     def own(self, eng: Engine, key: RoomKey) -> RecvRoom:
         room = self.rooms.get(key.id)
-        if room is None or room.key.generation != key.generation or eng.rank not in room.readers:
+        rs = room.readers.get(eng.rank) if room is not None and room.key.generation == key.generation else None
+        if room is None or rs is None or rs.engine is not eng:  # another group's (or a dead) engine of its rank too
             raise NotFound(f"room {key} is not expected by this engine")
         return room
 
@@ -479,12 +480,6 @@ class RecvSide:
             self.fail(room, code, f"prefill side: {reason}", push=False)
         return True
 
-    @staticmethod
-    def nothing_held(peer: Link, key: RoomKey) -> None:
-        """An abort for a room we do not have: the prefill side may reuse whatever it cut for it."""
-        if peer.up:
-            peer.send_release(rooms=[key])
-
     def peer_lost(self, peer: Link, reason: str) -> None:
         self.ledger.peer_lost(peer)
         for room in list(self.rooms.values()):
@@ -496,6 +491,11 @@ class RecvSide:
             room = self.rooms.get(rid)
             if room is not None:
                 self.fail(room, code, f"{reason} (decode rank {eng.rank})")
+                if room.state is RoomState.SUCCESS:
+                    # No timer ends a SUCCESS room: the slots this engine can no longer watermark go
+                    # back now, and the room is forgotten once every reader let go.
+                    self._let_go(room, room.readers[eng.rank].slots.values())
+                    self.release(eng, room)
         if eng.role is Role.DECODE:
             # Rooms of its group that this rank had not expected yet can never get its part now.
             group = eng.spec.group

@@ -202,6 +202,11 @@ class RecvRoom(RoomBase):
         # Landed notifications that arrived before the bootstrap reply (kvxferd.notif.Notif).
         self.early: list[Any] = []
 
+    def tokens_left(self, rank: int) -> int:
+        """The room's tokens that no chunk has brought to reader `rank` yet."""
+        rs = self.readers.get(rank)
+        return 0 if rs is None else (self.num_tokens or 0) - sum(s.num_tokens for s in rs.slots.values())
+
 
 def landed_view(cid: int, s: InSlot) -> LandedChunk:
     return LandedChunk(cid, SlotRef(max(0, s.offset), s.length), s.token_start, s.num_tokens, s.last, s.chunk_bytes)

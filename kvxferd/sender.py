@@ -11,9 +11,9 @@ import time
 from collections.abc import Callable
 
 from kvxferd.config import Config
-from kvxferd.domain import ChunkSpec, FailureCode, Role, RoomKey, RoomState, ZeroCopyTarget
+from kvxferd.domain import ChunkSpec, EngineSpec, FailureCode, Role, RoomKey, RoomState, ZeroCopyTarget
 from kvxferd.engines import MAX_TOKENS, Engine, EngineTable
-from kvxferd.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from kvxferd.errors import AlreadyExists, FailedPrecondition, InvalidArgument, KvxferError, NotFound, Unavailable
 from kvxferd.events import EventHub, RoomClock, count_finished, deadline_reason
 from kvxferd.layout import KVLayout, plan, rank_heads
 from kvxferd.limits import MAX_GROUP, ROOMS_PER_ENGINE, ROOMS_PER_PEER, TOMBSTONES
@@ -189,54 +189,34 @@ class SendSide:
         if len(group) > MAX_GROUP or len(reader_ring) > MAX_GROUP:
             raise InvalidArgument(f"group and reader_ring are names of at most {MAX_GROUP} characters")
         room = self.rooms.get(key.id)
-        if room is None or room.key.generation < key.generation:
+        fresh = room is None or room.key.generation < key.generation  # a new room, or a newer generation
+        if fresh:
             self.engines.require_serving()
-        if room is None or room.key.generation < key.generation or not room.cap_peer:
+        if room is None or fresh or not room.cap_peer:
             # Checked before anything is created: a peer at its cap changes nothing here.
             self.engines.limits.check(ROOMS_PER_PEER, self.engines.limits.peer_rooms.get(peer.address, 0),
                                       f" for peer {peer.address}")
-        room = self._room_for(key, group)
-        if room.finished:
-            if room.state is RoomState.FAILED:
-                # The decode side learns the room's own failure (code and reason), not a refusal.
-                peer.send_abort(room.key, room.failure_code, room.failure_reason, quiesced=room.in_flight == 0)
-            raise FailedPrecondition(f"room {key} is already {room.state.name}: {room.failure_reason}")
-        assert room.layout is not None
-        why = layouts_compatible(room.layout, layout)
-        if why:
-            self.fail(room, FailureCode.MISMATCH, f"layout mismatch: {why}", push=False)
-            raise FailedPrecondition(f"room {key}: layout mismatch: {why}")
+        if room is not None and not fresh:
+            self._check_joinable(peer, key, group, room)
+        engines = self.engines.group(group, Role.PREFILL)
+        if not engines:
+            raise NotFound(f"no prefill engine of group {group!r} is registered on this daemon")
+        # Every check runs before a room is created or an older generation superseded, so a refused
+        # bootstrap leaves no room behind. The decode side fails its half on the refusal: a room
+        # this one would join fails with it, and a room we do not have yet is tombstoned (as if the
+        # decode side had aborted it), so neither waits for its deadline.
         try:
-            rank_heads(layout.total_kv_heads, decode_tp, reader, layout.mla)
-        except ValueError as exc:
-            raise InvalidArgument(str(exc)) from exc
-        group_zc = self.engines.group(group, Role.PREFILL)[0].spec.zero_copy
-        if group_zc != (zero_copy is not None):
-            why = "prefill group is zero-copy but the reader is not" if group_zc else (
-                "reader is zero-copy but the prefill group sends slots")
-            self.fail(room, FailureCode.MISMATCH, why, push=False)
-            raise FailedPrecondition(f"room {key}: zero-copy mismatch: {why}")
-        if zero_copy is not None:
-            if room.prefill_tp != decode_tp and not layout.mla:
-                raise FailedPrecondition(
-                    f"room {key}: zero-copy needs the same TP on both sides (or MLA); "
-                    f"prefill {room.prefill_tp}, decode {decode_tp}"
-                )
-            if layout.page_size != room.layout.page_size:
-                raise FailedPrecondition(f"room {key}: zero-copy needs equal page sizes")
-            if len(zero_copy.pages) != -(-num_tokens // layout.page_size) or zero_copy.num_slots <= 0:
-                raise InvalidArgument(f"room {key}: zero-copy target pages do not cover {num_tokens} tokens")
-        if room.decode_tp is not None and room.decode_tp != decode_tp:
-            raise InvalidArgument(f"room {key}: decode_tp {decode_tp} differs from {room.decode_tp}")
-        if room.num_tokens is not None and room.num_tokens != num_tokens:
-            raise InvalidArgument(f"room {key}: num_tokens {num_tokens} differs from {room.num_tokens}")
-        if room.peer is not None and room.peer is not peer:
-            raise InvalidArgument(f"room {key} is bootstrapped by another decode daemon")
-        for w in room.writers.values():
-            for c in w.chunks.values():
-                if c.spec.token_start + c.spec.num_tokens > num_tokens:
-                    self.fail(room, FailureCode.MISMATCH, "an enqueued chunk exceeds the room's tokens")
-                    raise FailedPrecondition(f"room {key}: enqueued chunks exceed {num_tokens} tokens")
+            self._check_reader(None if fresh else room, engines[0].spec, key, reader, decode_tp, layout, num_tokens,
+                               zero_copy)
+        except KvxferError as exc:
+            why = f"bootstrap of decode reader {reader} refused: {exc}"
+            if room is not None and not fresh:
+                self.fail(room, FailureCode.MISMATCH, why, push=False)
+            else:
+                self.peer_abort(peer, key, FailureCode.MISMATCH, why)
+            raise
+        room = self._room_for(key, group)
+        assert room.layout is not None
         if zero_copy is not None:
             room.zero_copy = True
             room.zc_targets[reader] = zero_copy
@@ -262,6 +242,60 @@ class SendSide:
             self.scheduler.room_ready(room)
         self.refresh()
         return room
+
+    def _check_joinable(self, peer: Link, key: RoomKey, group: str, room: SendRoom) -> None:
+        """Refusals that leave the room as it is: an old generation, another group, a room that
+        ended (its own failure goes to the decode side), a room another decode daemon bootstraps."""
+        if key.generation < room.key.generation:
+            raise FailedPrecondition(f"room {key}: stale generation (current generation is {room.key.generation})")
+        if room.group != group:
+            raise InvalidArgument(f"room {key} belongs to prefill group {room.group!r}, not {group!r}")
+        if room.finished:
+            if room.state is RoomState.FAILED:
+                # The decode side learns the room's own failure (code and reason), not a refusal.
+                peer.send_abort(room.key, room.failure_code, room.failure_reason, quiesced=room.in_flight == 0)
+            raise FailedPrecondition(f"room {key} is already {room.state.name}: {room.failure_reason}")
+        if room.peer is not None and room.peer is not peer:
+            raise InvalidArgument(f"room {key} is bootstrapped by another decode daemon")
+
+    @staticmethod
+    def _check_reader(room: SendRoom | None, spec: EngineSpec, key: RoomKey, reader: int, decode_tp: int,
+                      layout: KVLayout, num_tokens: int, zero_copy: ZeroCopyTarget | None) -> None:
+        """Can this reader join the room (`room`, or a new one of the group whose engine spec is
+        `spec`)? Raises InvalidArgument or FailedPrecondition; changes nothing."""
+        ours = room.layout if room is not None else spec.layout
+        assert ours is not None
+        why = layouts_compatible(ours, layout)
+        if why:
+            raise FailedPrecondition(f"room {key}: layout mismatch: {why}")
+        try:
+            rank_heads(layout.total_kv_heads, decode_tp, reader, layout.mla)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from exc
+        if spec.zero_copy != (zero_copy is not None):
+            why = "prefill group is zero-copy but the reader is not" if spec.zero_copy else (
+                "reader is zero-copy but the prefill group sends slots")
+            raise FailedPrecondition(f"room {key}: zero-copy mismatch: {why}")
+        prefill_tp = room.prefill_tp if room is not None else spec.parallel.tp_size
+        if zero_copy is not None:
+            if prefill_tp != decode_tp and not layout.mla:
+                raise FailedPrecondition(
+                    f"room {key}: zero-copy needs the same TP on both sides (or MLA); "
+                    f"prefill {prefill_tp}, decode {decode_tp}"
+                )
+            if layout.page_size != ours.page_size:
+                raise FailedPrecondition(f"room {key}: zero-copy needs equal page sizes")
+            if len(zero_copy.pages) != -(-num_tokens // layout.page_size) or zero_copy.num_slots <= 0:
+                raise InvalidArgument(f"room {key}: zero-copy target pages do not cover {num_tokens} tokens")
+        if room is None:
+            return
+        if room.decode_tp is not None and room.decode_tp != decode_tp:
+            raise InvalidArgument(f"room {key}: decode_tp {decode_tp} differs from {room.decode_tp}")
+        if room.num_tokens is not None and room.num_tokens != num_tokens:
+            raise InvalidArgument(f"room {key}: num_tokens {num_tokens} differs from {room.num_tokens}")
+        if any(c.spec.token_start + c.spec.num_tokens > num_tokens for w in room.writers.values()
+               for c in w.chunks.values()):
+            raise FailedPrecondition(f"room {key}: enqueued chunks exceed {num_tokens} tokens")
 
     # ------------------------------------------------------------------ progress and completion
 

@@ -23,7 +23,7 @@ from kvxfer_client import (
     RoomState,
     Slot,
 )
-from kvxfer_client._lane import AioLane
+from kvxfer_client._aio_lane import AioLane
 from tests.faults.harness import metric
 from tests.test_e2e import status
 

@@ -1,10 +1,14 @@
 """Room behaviours engine adapters reported (issue #14): a prefill rank may poll a room of its
 group before its first chunk; ReleaseRoom by one prefill rank does not forget a room another rank
 has not joined yet; bootstrapping into a FAILED room reports that room's own failure, not MISMATCH.
+And: a decode room answers only the engine that expects it (not another group's engine of the same
+rank); a chunk part larger than the reader's whole ring fails its room at once, on both sides,
+and the ring's other rooms go on.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -104,3 +108,50 @@ def test_bootstrapping_into_a_failed_room_reports_its_own_failure(pair: tuple[Da
         wait_until(lambda: polled(tx, 4) is RoomState.FAILED, 10, "the prefill rank to see room 4 FAILED")
         st = tx.poll(4)
         assert st.failure_code == "ABORTED" and "decode gave up" in st.failure_reason
+
+
+def test_only_the_engine_that_expects_a_decode_room_may_poll_abort_or_release_it(
+        pair: tuple[DaemonProc, DaemonProc]) -> None:
+    pre, dec = pair
+    data = os.urandom(16 * 2 * HEAD_TOKEN)
+    with PrefillSender(socket=pre.socket, group="own", layout=LAYOUT, ring_bytes=1 << 20) as tx, \
+            DecodeReceiver(socket=dec.socket, group="dA", layout=LAYOUT, ring_bytes=1 << 20) as a, \
+            DecodeReceiver(socket=dec.socket, group="dB", layout=LAYOUT, ring_bytes=1 << 20) as b:
+        a.expect(10, pre.peer_address, "own", 16)
+        wait_until(lambda: a.poll(10).state is RoomState.WAITING_FOR_INPUT, 10, "room 10 to wait for input")
+        # dB's engine has the same tp_rank (0) but expects no such room: as for an unknown room.
+        for call in (lambda: b.poll(10), lambda: b.abort(10, "not mine"), lambda: b.release(10)):
+            with pytest.raises(KvxferError) as ei:
+                call()
+            assert ei.value.code.name == "NOT_FOUND", ei.value
+        assert a.poll(10).state is RoomState.WAITING_FOR_INPUT
+        tx.send_chunk(10, 0, 0, 16, data, last=True)
+        got, _ = a.receive(10, timeout=30)
+        assert got[0] == data
+        tx.release(10)
+        a.release(10)
+
+
+def test_a_part_larger_than_the_readers_whole_ring_fails_its_room_at_once(pair: tuple[DaemonProc, DaemonProc]) -> None:
+    pre, dec = pair
+    token = 2 * HEAD_TOKEN  # both KV heads of one token: the reader's part (TP 1)
+    with PrefillSender(socket=pre.socket, group="big", layout=LAYOUT, ring_bytes=1 << 20) as tx, \
+            DecodeReceiver(socket=dec.socket, group="d4k", layout=LAYOUT, ring_bytes=16 * token) as rx:
+        rx.expect(20, pre.peer_address, "big", 64)
+        rx.expect(21, pre.peer_address, "big", 16)
+        for room in (20, 21):
+            wait_until(lambda room=room: rx.poll(room).state is RoomState.WAITING_FOR_INPUT, 10, f"room {room}")
+        # 32 tokens can never fit a 16-token ring: the room fails now, not at its deadline, and the
+        # chunk queued behind it on the same ring is not stuck there.
+        data = os.urandom(16 * token)
+        tx.send_chunk(20, 0, 0, 32, os.urandom(32 * token), last=False)
+        tx.send_chunk(21, 0, 0, 16, data, last=True)
+        with pytest.raises(RoomFailed) as ei:
+            rx.receive(20, timeout=10)
+        assert ei.value.failure_code == "MISMATCH" and "can never fit" in ei.value.reason, ei.value
+        wait_until(lambda: polled(tx, 20) is RoomState.FAILED, 10, "the prefill side to fail room 20")
+        got, _ = rx.receive(21, timeout=10)
+        assert got[0] == data
+        for room in (20, 21):
+            tx.release(room)
+            rx.release(room)

@@ -9,6 +9,7 @@ from typing import Any
 
 import grpc
 
+from kvxfer_client._aio_lane import AioLane
 from kvxfer_client._common import (
     RING_READY_TIMEOUT_S,
     Chunk,
@@ -41,9 +42,9 @@ from kvxfer_client._common import (
     watermark_request,
     wrap_rpc_error,
 )
-from kvxfer_client._lane import AioLane, RoutedStub
 from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from kvxfer_client._pinned import check_can_pin, gpu_ring_for
+from kvxfer_client._stub import RoutedStub
 from kvxfer_client._verdicts import Verdicts
 
 
@@ -219,7 +220,7 @@ class AsyncPrefillSender(_AsyncEngineClient):
         await self._settle_deferred()
         spare, stale = self.spare.take(num_tokens)
         if stale is not None:
-            await self.release_slot(stale)
+            await self._release_all([stale])
         if spare is not None:
             return spare
         deadline = time.monotonic() + timeout
@@ -235,6 +236,16 @@ class AsyncPrefillSender(_AsyncEngineClient):
     async def release_slot(self, slot: Slot) -> None:
         await self._call(self.stub.ReleaseSlot, engine_pb2.ReleaseSlotRequest(
             engine_id=self.engine_id, slot=common_pb2.Slot(offset=slot.offset, length=slot.length)))
+
+    async def _release_all(self, slots: Sequence[Slot]) -> None:
+        """Releases spares; one that fails raises, and leaves the rest for the next call
+        (SpareSlot.unreleased)."""
+        for i, slot in enumerate(slots):
+            try:
+                await self.release_slot(slot)
+            except BaseException as exc:
+                self.spare.unreleased(slots, i, exc)
+                raise
 
     def slot_view(self, slot: Slot) -> memoryview:
         return self.view(slot.offset, slot.chunk_bytes)
@@ -258,8 +269,11 @@ class AsyncPrefillSender(_AsyncEngineClient):
         if not wait and isinstance(lane, AioLane):
             # send_deferred raises only when nothing was sent (then the ask is settled here);
             # once sent, the verdict or the connection's loss reaches on_reply instead.
+            # A verdict given up on (flush's timeout) that comes after all may bring a spare slot:
+            # on_late gives it back rather than leave it the engine's until it unregisters.
             with self.spare.asking(req) as asked:
-                await lane.send_deferred("EnqueueChunk", req, lambda got: self._verdicts.on_reply(c, asked, got))
+                await lane.send_deferred("EnqueueChunk", req, lambda got: self._verdicts.on_reply(c, asked, got),
+                                         self._timeout, on_late=self._verdicts.on_late)
             return
         with self.spare.asking(req, depth=1) as asked:
             reply = await self._call(self.stub.EnqueueChunk, req)
@@ -284,8 +298,7 @@ class AsyncPrefillSender(_AsyncEngineClient):
         return self._verdicts.take()
 
     async def _give_back_surplus(self) -> None:
-        for extra in self.spare.surplus():
-            await self.release_slot(extra)
+        await self._release_all(self.spare.surplus())
 
     async def _settle_deferred(self) -> None:
         """Gives back surplus spares and raises the oldest refusal not raised yet."""

@@ -135,6 +135,11 @@ class ReplyLost(KvxferError):
     the daemon carried the call out is unknown."""
 
 
+class NotSent(KvxferError):
+    """The call never left this process (no connection to the daemon's lane could be made, or
+    the client is closed): the daemon did nothing for it."""
+
+
 class ChunkRefused(KvxferError):
     """A chunk sent with enqueue(wait=False) that did not go in. Unless `lost`, the daemon refused
     it (`code` and the message are the daemon's): it changed nothing for it, and the chunk's slot
@@ -416,6 +421,23 @@ class SpareSlot:
         with self._lock:
             out, self._surplus = self._surplus, []
         return out
+
+    def unreleased(self, slots: Sequence[Slot], failed: int, exc: BaseException) -> None:
+        """ReleaseSlot of ``slots[failed]`` raised `exc`: the slots after it go back to the
+        surplus, for the owner's next call to release, and so does that one when its call never
+        left (NotSent). One the daemon refused, or whose reply was lost, is not released again:
+        the daemon names a slot by its offset, so a second release could free the slot's next
+        holder (a refused one would also fail every later call); the engine's lease frees it."""
+        with self._lock:
+            if isinstance(exc, NotSent):
+                self._surplus.append(slots[failed])
+            self._surplus.extend(slots[failed + 1:])
+
+    def late(self, reply: engine_pb2.EnqueueChunkReply) -> None:
+        """The reply to a chunk whose verdict was given up on (its ask settled then) came after
+        all: a slot it brings is the engine's, and goes back with the next call."""
+        if reply.HasField("next_slot"):
+            self.give_back(Slot(reply.next_slot.offset, reply.next_slot.length, reply.next_chunk_bytes))
 
     def drop(self) -> list[Slot]:
         """Every held slot (the client is closing), for giving back."""

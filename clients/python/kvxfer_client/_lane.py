@@ -9,20 +9,21 @@ Errors come back as KvxferError with the same status codes and messages as over 
 
 from __future__ import annotations
 
-import asyncio
+import errno
 import itertools
 import os
 import socket
 import struct
 import threading
+import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
 from google.protobuf.message_factory import GetMessageClass
 
-from kvxfer_client._common import KvxferError, ReplyLost
+from kvxfer_client._common import KvxferError, NotSent, ReplyLost
 from kvxfer_client._pb.kvxfer.v1 import engine_pb2
 
 REQUEST = struct.Struct("<IIIB")
@@ -54,26 +55,29 @@ def _frame_end(buf: bytearray) -> int:
     return end if len(buf) >= end else 0
 
 
+def _take_frame(buf: bytearray) -> tuple[int, int, bytes] | None:
+    """The first reply frame in `buf` as (call id, status code, payload), taken out of it; None
+    while it is incomplete."""
+    end = _frame_end(buf)
+    if not end:
+        return None
+    _, call_id, code = REPLY.unpack_from(buf)
+    payload = bytes(buf[REPLY.size:end])
+    del buf[:end]
+    return call_id, code, payload
+
+
 def _read_frame(sock: socket.socket, buf: bytearray) -> tuple[int, int, bytes]:
     """The next reply frame on `sock` as (call id, status code, payload). `buf` keeps what arrived
     beyond it; a closed connection raises ConnectionResetError."""
     while True:
-        end = _frame_end(buf)
-        if end:
-            _, call_id, code = REPLY.unpack_from(buf)
-            payload = bytes(buf[REPLY.size:end])
-            del buf[:end]
-            return call_id, code, payload
+        frame = _take_frame(buf)
+        if frame is not None:
+            return frame
         data = sock.recv(1 << 16)
         if not data:
             raise ConnectionResetError("connection closed by the daemon")
         buf += data
-
-
-async def _read_frame_async(reader: asyncio.StreamReader) -> tuple[int, int, bytes]:
-    """_read_frame for asyncio streams; a closed connection raises IncompleteReadError."""
-    length, call_id, code = REPLY.unpack(await reader.readexactly(REPLY.size))
-    return call_id, code, (await reader.readexactly(length) if length else b"")
 
 
 def _result(name: str, code: int, payload: bytes) -> Any:
@@ -93,6 +97,57 @@ def _settler(name: str, on_reply: Callable[[Any], None]) -> Callable[[Any], None
                 got = exc
         on_reply(got)
     return settle
+
+
+_NO_LIMIT = struct.pack("@ll", 0, 0)  # a struct timeval of zero: SO_SNDTIMEO's "no limit"
+
+
+def _timeval(seconds: float) -> bytes:
+    """A struct timeval for SO_SNDTIMEO; never all zero (that would mean no limit)."""
+    sec = int(seconds)
+    usec = max(0, int((seconds - sec) * 1e6))
+    return struct.pack("@ll", max(0, sec), usec if sec > 0 else max(1, usec))
+
+
+def _connect(path: str, timeout: float | None) -> socket.socket:
+    """A blocking connection to the lane at `path`, made within `timeout` (None: no limit).
+
+    A daemon that has stopped accepting (hung, stopped) fills its listen queue, and connect()
+    on a Unix socket then waits for room in it. A socket timeout does not bound that wait (a
+    non-blocking connect fails at once with EAGAIN, even when the queue frees up a moment later):
+    SO_SNDTIMEO on the blocking socket does, and lets connect() through as soon as there is
+    room. Raises NotSent: DEADLINE_EXCEEDED when no room came in time, else UNAVAILABLE."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while True:
+            if deadline is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(deadline - time.monotonic()))
+            sock.connect(path)
+            try:
+                sock.getpeername()
+                break
+            except OSError as exc:
+                # A signal cut the wait short and Python took that for a connection: wait again,
+                # for what is left of the time.
+                if exc.errno != errno.ENOTCONN:
+                    raise
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError from None
+        if deadline is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _NO_LIMIT)
+    except OSError as exc:
+        sock.close()
+        if isinstance(exc, (BlockingIOError, TimeoutError)):
+            raise NotSent(grpc.StatusCode.DEADLINE_EXCEEDED,
+                          f"the daemon's lane {path} took no connection within {timeout} s "
+                          f"(its listen queue is full: is the daemon stalled?)") from None
+        raise NotSent(grpc.StatusCode.UNAVAILABLE, f"cannot reach the daemon's lane {path}: {exc}") from None
+    return sock
+
+
+def _client_closed() -> NotSent:
+    return NotSent(grpc.StatusCode.CANCELLED, "the client is closed")
 
 
 class _Conn:
@@ -121,31 +176,39 @@ class SyncLane:
         self._closed = False
 
     def _current(self) -> _Conn | None:
-        """This thread's connection, if it opened one in this process."""
+        """This thread's connection, if it opened one in this process and the client is open.
+        Once the client is closed the connection is dropped here: its deferred calls get
+        CANCELLED (ReplyLost: the daemon may have served them)."""
         conn: _Conn | None = getattr(self._local, "conn", None)
-        return conn if conn is not None and conn.pid == os.getpid() else None
+        if conn is None or conn.pid != os.getpid():
+            return None
+        if self._closed:
+            self._lose(conn, None, "", None)
+            return None
+        return conn
 
-    def _conn(self) -> _Conn:
+    def _conn(self, timeout: float | None) -> _Conn:
+        """This thread's connection, opened within `timeout` if it has none (NotSent if not)."""
         conn = self._current()
         if conn is not None:
             return conn
         if self._closed:
-            raise KvxferError(grpc.StatusCode.CANCELLED, "the client is closed")
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.connect(self.path)
-        except OSError as exc:
-            sock.close()
-            raise KvxferError(grpc.StatusCode.UNAVAILABLE, f"cannot reach the daemon's lane {self.path}: {exc}") from None
-        conn = self._local.conn = _Conn(sock)
+            raise _client_closed()
+        sock = _connect(self.path, timeout)
         with self._lock:
+            if self._closed:  # close() ran while this thread connected: it would not see this socket
+                sock.close()
+                raise _client_closed()
             self._open.add(sock)
+        conn = self._local.conn = _Conn(sock)
         return conn
 
-    def _lose(self, conn: _Conn, exc: OSError, what: str, timeout: float | None) -> ReplyLost:
+    def _lose(self, conn: _Conn, exc: OSError | None, what: str, timeout: float | None) -> ReplyLost:
         """Closes a connection that timed out (out of step now: its replies may still come) or
-        failed; its deferred calls, and the caller, get the error returned."""
-        if isinstance(exc, TimeoutError):
+        failed, or that close() shut; its deferred calls, and the caller, get the error returned."""
+        if self._closed:  # close() shut it under this thread's call (EOF, EPIPE or EBADF here)
+            error = ReplyLost(grpc.StatusCode.CANCELLED, f"{what}the client is closed")
+        elif isinstance(exc, TimeoutError):
             error = ReplyLost(grpc.StatusCode.DEADLINE_EXCEEDED, f"{what}no reply within {timeout} s")
         else:
             error = ReplyLost(grpc.StatusCode.UNAVAILABLE, f"{what}the daemon's lane closed: {exc}")
@@ -174,7 +237,7 @@ class SyncLane:
 
         one_write: small requests leave together in one write instead, so the daemon reads them
         in one wake-up and answers them in one write."""
-        conn = self._conn()
+        conn = self._conn(timeout)
         sock = conn.sock
         want: dict[int, int] = {}
         held: list[bytes] = []
@@ -214,13 +277,15 @@ class SyncLane:
         """Sends one call of `name` without waiting for its reply: on_reply gets the reply or its
         KvxferError later, from whichever of this thread's calls reads it (any call, poll_deferred
         or wait_deferred). The daemon serves a connection's calls in order, so a later call's
-        reply always comes after it."""
-        conn = self._conn()
+        reply always comes after it. Raises only when nothing was sent (NotSent: no connection,
+        the client closed): on_reply is then never called; once it returns, on_reply is."""
+        conn = self._conn(timeout)
         call_id = next(self._ids) & 0xFFFFFFFF
+        frame = _frame(name, call_id, timeout, req)
         conn.deferred[call_id] = _settler(name, on_reply)
         try:
             conn.sock.settimeout(timeout)
-            conn.sock.sendall(_frame(name, call_id, timeout, req))
+            conn.sock.sendall(frame)
         except OSError as exc:
             self._lose(conn, exc, f"{name}: ", timeout)
 
@@ -230,10 +295,13 @@ class SyncLane:
         return len(conn.deferred) if conn is not None else 0
 
     def poll_deferred(self) -> None:
-        """Reads, without blocking, every reply already here for this thread's deferred calls."""
+        """Reads, without blocking, every reply already here for this thread's deferred calls. A
+        connection that fails while they are read loses only the calls whose replies had not
+        come whole: the replies read before the failure still reach their calls."""
         conn = self._current()
         if conn is None or not conn.deferred:
             return
+        failed: OSError | None = None
         try:
             # A socket with a timeout waits for readability before every recv, MSG_DONTWAIT or
             # not: only a zero timeout makes this read return at once when nothing is there.
@@ -248,11 +316,11 @@ class SyncLane:
         except BlockingIOError:
             pass
         except OSError as exc:
-            self._lose(conn, exc, "", None)
-            return
-        while _frame_end(conn.buf):
-            got_id, code, payload = _read_frame(conn.sock, conn.buf)
-            self._settle(conn, got_id, code, payload)
+            failed = exc
+        while (frame := _take_frame(conn.buf)) is not None:
+            self._settle(conn, *frame)
+        if failed is not None:
+            self._lose(conn, failed, "", None)
 
     def wait_deferred(self, timeout: float | None = None) -> None:
         """Blocks until every deferred call of this thread has its reply (each goes to its
@@ -274,13 +342,20 @@ class SyncLane:
         if on_reply is not None:  # else not ours (cannot happen: one thread, one connection)
             on_reply((code, payload))
 
-    def stream(self, name: str, req: Any, reply_cls: Any) -> LaneStream:
-        """A server stream on a connection of its own (a watcher blocks its thread in recv)."""
+    def stream(self, name: str, req: Any, reply_cls: Any, timeout: float | None = None) -> LaneStream:
+        """A server stream on a connection of its own (a watcher blocks its thread in recv),
+        opened within `timeout`; the stream itself has no time limit."""
         if self._closed:
-            raise KvxferError(grpc.StatusCode.CANCELLED, "the client is closed")
-        st = LaneStream(self.path, name, req, reply_cls, self._streams_done)
+            raise _client_closed()
+        st = LaneStream(self.path, name, req, reply_cls, self._streams_done, timeout)
         with self._lock:
-            self._streams.add(st)
+            closed = self._closed  # close() ran while this thread connected: it would not see st
+            if not closed:
+                self._streams.add(st)
+        if closed:
+            st.cancel()
+            st._finish()
+            raise _client_closed()
         return st
 
     def _streams_done(self, st: LaneStream) -> None:
@@ -288,11 +363,18 @@ class SyncLane:
             self._streams.discard(st)
 
     def close(self) -> None:
-        self._closed = True
+        """Closes every connection. A thread blocked in a call on one (a waiting AcquireSlot,
+        a silent daemon) wakes at once and gets CANCELLED "the client is closed", as do later
+        calls from any thread; their deferred calls are lost (ReplyLost CANCELLED)."""
         with self._lock:
+            self._closed = True
             socks, self._open = self._open, set()
             streams, self._streams = list(self._streams), weakref.WeakSet()
         for sock in socks:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked on it; close() alone would not
+            except OSError:
+                pass
             sock.close()
         for st in streams:
             st.cancel()
@@ -302,15 +384,15 @@ class LaneStream:
     """The messages of one server stream, read by the thread that iterates it; cancel() ends it
     from any thread (the reader sees the connection shut and stops)."""
 
-    def __init__(self, path: str, name: str, req: Any, reply_cls: Any, done: Any) -> None:
+    def __init__(self, path: str, name: str, req: Any, reply_cls: Any, done: Any,
+                 timeout: float | None = None) -> None:
         self._cls = reply_cls
         self._done = done
         self._buf = bytearray()
         self._cancelled = False
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock = _connect(path, timeout)
         try:
-            self._sock.connect(path)
-            self._sock.sendall(_frame(name, 1, None, req))
+            self._sock.sendall(_frame(name, 1, None, req))  # a fresh connection's buffer takes it
         except OSError as exc:
             self._sock.close()
             raise KvxferError(grpc.StatusCode.UNAVAILABLE, f"cannot reach the daemon's lane {path}: {exc}") from None
@@ -356,153 +438,3 @@ class LaneStream:
     def _finish(self) -> None:
         self._sock.close()
         self._done(self)
-
-
-class AioLane:
-    """One connection; calls are pipelined and matched to replies by id."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._ids = itertools.count(1)
-        self._pending: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
-        # Calls sent with send_deferred whose replies have not come: what wait_deferred waits for.
-        self._deferred: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
-        self._writer: asyncio.StreamWriter | None = None
-        self._reader_task: asyncio.Task[None] | None = None
-        self._connecting: asyncio.Lock | None = None
-
-    async def _connected(self) -> asyncio.StreamWriter:
-        if self._writer is not None and not self._writer.is_closing():
-            return self._writer
-        self._connecting = self._connecting or asyncio.Lock()
-        async with self._connecting:
-            if self._writer is None or self._writer.is_closing():
-                try:
-                    reader, writer = await asyncio.open_unix_connection(self.path)
-                except OSError as exc:
-                    raise KvxferError(grpc.StatusCode.UNAVAILABLE,
-                                      f"cannot reach the daemon's lane {self.path}: {exc}") from None
-                self._writer = writer
-                self._reader_task = asyncio.ensure_future(self._read(reader))
-            return self._writer
-
-    async def _read(self, reader: asyncio.StreamReader) -> None:
-        why = "the daemon's lane closed"
-        try:
-            while True:
-                call_id, code, payload = await _read_frame_async(reader)
-                fut = self._pending.get(call_id)
-                if fut is not None and not fut.done():
-                    fut.set_result((code, payload))
-        except (asyncio.IncompleteReadError, OSError) as exc:
-            why = f"the daemon's lane closed: {exc!r}"
-        finally:
-            self._writer = None
-            for fut in self._pending.values():
-                if not fut.done():
-                    fut.set_exception(ReplyLost(grpc.StatusCode.UNAVAILABLE, why))
-
-    async def call(self, name: str, req: Any, timeout: float | None = None) -> Any:
-        writer = await self._connected()
-        call_id = next(self._ids) & 0xFFFFFFFF
-        fut: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
-        self._pending[call_id] = fut
-        try:
-            writer.write(_frame(name, call_id, timeout, req))
-            try:
-                code, payload = await asyncio.wait_for(fut, timeout)
-            except asyncio.TimeoutError:
-                raise KvxferError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{name}: no reply within {timeout} s") from None
-        finally:
-            self._pending.pop(call_id, None)
-        return _result(name, code, payload)
-
-    async def send_deferred(self, name: str, req: Any, on_reply: Callable[[Any], None]) -> None:
-        """Sends one call of `name` and returns once it is written, without waiting for its reply:
-        the connection's reader hands the reply, or its KvxferError (ReplyLost if the connection
-        goes first), to on_reply on the loop. wait_deferred() waits for every such reply. Raises
-        only when the call could not be sent (no connection): on_reply is then never called."""
-        writer = await self._connected()
-        call_id = next(self._ids) & 0xFFFFFFFF
-        fut: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
-        self._pending[call_id] = self._deferred[call_id] = fut
-        settle = _settler(name, on_reply)
-
-        def done(f: asyncio.Future[tuple[int, bytes]]) -> None:
-            self._pending.pop(call_id, None)
-            self._deferred.pop(call_id, None)
-            if f.cancelled():
-                settle(ReplyLost(grpc.StatusCode.CANCELLED, f"{name}: cancelled before its reply"))
-            else:
-                settle(f.exception() or f.result())
-
-        fut.add_done_callback(done)
-        writer.write(_frame(name, call_id, None, req))
-        try:
-            # Backpressure only: returns at once unless the daemon has stopped reading.
-            await writer.drain()
-        except OSError:
-            pass  # the connection went: the reader fails this call (ReplyLost) through on_reply
-
-    def deferred(self) -> int:
-        """Deferred calls whose replies have not come yet."""
-        return len(self._deferred)
-
-    async def wait_deferred(self, timeout: float | None = None) -> None:
-        """Waits until every deferred call has its reply (each goes to its on_reply); those still
-        without one after `timeout` get ReplyLost DEADLINE_EXCEEDED (a reply that comes later
-        finds no call and is dropped)."""
-        waiting = list(self._deferred.values())
-        if not waiting:
-            return
-        _, late = await asyncio.wait(waiting, timeout=timeout)
-        for fut in late:
-            if not fut.done():
-                fut.set_exception(ReplyLost(grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply within {timeout} s"))
-        # Done-callbacks run in a later loop turn: every on_reply has run when this returns.
-        await asyncio.sleep(0)
-
-    async def stream(self, name: str, req: Any, reply_cls: Any) -> AsyncIterator[Any]:
-        """A server stream on a connection of its own; closing the generator (or cancelling its
-        task) closes the connection, which ends the stream on the daemon."""
-        try:
-            reader, writer = await asyncio.open_unix_connection(self.path)
-        except OSError as exc:
-            raise KvxferError(grpc.StatusCode.UNAVAILABLE, f"cannot reach the daemon's lane {self.path}: {exc}") from None
-        try:
-            writer.write(_frame(name, 1, None, req))
-            while True:
-                try:
-                    _, code, payload = await _read_frame_async(reader)
-                except (asyncio.IncompleteReadError, OSError) as exc:
-                    raise KvxferError(grpc.StatusCode.UNAVAILABLE,
-                                      f"the daemon's lane closed the stream: {exc!r}") from None
-                if code == STREAM_MORE:
-                    yield reply_cls.FromString(payload)
-                    continue
-                if code:
-                    raise KvxferError(_STATUS.get(code, grpc.StatusCode.UNKNOWN), payload.decode(errors="replace"))
-                return
-        finally:
-            writer.close()
-
-    async def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-        if self._reader_task is not None:
-            self._reader_task.cancel()
-
-
-class RoutedStub:
-    """An EngineStub look-alike: `stub.X(req, timeout=...)` goes over the lane when the lane
-    serves X, else over gRPC."""
-
-    def __init__(self, grpc_stub: Any, lane: SyncLane | AioLane | None = None) -> None:
-        self._grpc = grpc_stub
-        self.lane = lane
-
-    def __getattr__(self, name: str) -> Any:
-        lane = self.lane
-        if lane is not None and name in LANE_METHODS:
-            return lambda req, timeout=None: lane.call(name, req, timeout)
-        return getattr(self._grpc, name)

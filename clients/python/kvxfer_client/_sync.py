@@ -43,9 +43,10 @@ from kvxfer_client._common import (
     watermark_request,
     wrap_rpc_error,
 )
-from kvxfer_client._lane import RoutedStub, SyncLane
+from kvxfer_client._lane import SyncLane
 from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from kvxfer_client._pinned import check_can_pin, gpu_ring_for
+from kvxfer_client._stub import RoutedStub
 from kvxfer_client._verdicts import Verdicts
 
 _RETRYABLE_FULL = grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -202,7 +203,7 @@ class _EngineClient:
         req = engine_pb2.WatchRoomsRequest(engine_id=self.engine_id, chunk_progress=chunk_progress)
         lane = self.stub.lane
         if isinstance(lane, SyncLane):
-            return EventStream(lane.stream("WatchRooms", req, engine_pb2.RoomEvent))
+            return EventStream(lane.stream("WatchRooms", req, engine_pb2.RoomEvent, self._timeout))
         return EventStream(self.stub.WatchRooms(req))
 
     def abort(self, room: int, reason: str = "", generation: int = 0) -> None:
@@ -256,7 +257,7 @@ class PrefillSender(_EngineClient):
         self._settle_deferred()
         spare, stale = self.spare.take(num_tokens)
         if stale is not None:
-            self.release_slot(stale)
+            self._release_all([stale])
         if spare is not None:
             return spare
         deadline = time.monotonic() + timeout
@@ -272,6 +273,16 @@ class PrefillSender(_EngineClient):
     def release_slot(self, slot: Slot) -> None:
         self._call(self.stub.ReleaseSlot, engine_pb2.ReleaseSlotRequest(
             engine_id=self.engine_id, slot=common_pb2.Slot(offset=slot.offset, length=slot.length)))
+
+    def _release_all(self, slots: Sequence[Slot]) -> None:
+        """Releases spares; one that fails raises, and leaves the rest for the next call
+        (SpareSlot.unreleased)."""
+        for i, slot in enumerate(slots):
+            try:
+                self.release_slot(slot)
+            except BaseException as exc:
+                self.spare.unreleased(slots, i, exc)
+                raise
 
     def slot_view(self, slot: Slot) -> memoryview:
         return self.view(slot.offset, slot.chunk_bytes)
@@ -291,14 +302,19 @@ class PrefillSender(_EngineClient):
         is raised as ChunkRefused (its room, chunk and slot; the daemon changed nothing for it
         and the slot is still the engine's) by this thread's next acquire() or enqueue(),
         before that call does anything, or returned by flush(). Every call of this client
-        that reads from the lane also reads the verdicts that are there."""
+        that reads from the lane also reads the verdicts that are there. A chunk that cannot
+        be sent at all (no connection to the daemon's lane within the call timeout) raises
+        KvxferError at once; the daemon saw nothing of it."""
         c = Chunk(room, chunk_id, token_start, num_tokens, slot, last, aux, generation, tuple(pages))
         self._settle_deferred()
         req = chunk_request(self.engine_id, c)
         lane = self.stub.lane
         if not wait and isinstance(lane, SyncLane):
-            asked = self.spare.ask(req)
-            lane.send_deferred("EnqueueChunk", req, lambda got: self._verdicts.on_reply(c, asked, got), self._timeout)
+            # send_deferred raises only when nothing was sent (then the ask is settled here);
+            # once sent, the verdict or the connection's loss reaches on_reply instead.
+            with self.spare.asking(req) as asked:
+                lane.send_deferred("EnqueueChunk", req, lambda got: self._verdicts.on_reply(c, asked, got),
+                                   self._timeout)
             return
         with self.spare.asking(req, depth=1) as asked:
             reply = self._call(self.stub.EnqueueChunk, req)
@@ -334,8 +350,9 @@ class PrefillSender(_EngineClient):
         lane = self.stub.lane
         if isinstance(lane, SyncLane):
             lane.poll_deferred()  # returns at once when nothing was sent without waiting
-        for extra in self.spare.surplus():
-            self.release_slot(extra)
+        surplus = self.spare.surplus()
+        if surplus:
+            self._release_all(surplus)
 
     def close(self, unregister: bool = True) -> None:
         lane = self.stub.lane

@@ -29,6 +29,13 @@ class Verdicts:
             # Released by the engine's next call: whoever read the reply must not start one.
             self._spare.give_back(extra)
 
+    def on_late(self, got: Any) -> None:
+        """A reply that came after its chunk was refused as lost (DEADLINE_EXCEEDED): the
+        refusal stands (the room's events say whether the chunk went in), but a slot the daemon
+        handed out with it is the engine's, so it goes back with the next call."""
+        if not isinstance(got, KvxferError):
+            self._spare.late(got)
+
     def take(self) -> list[ChunkRefused]:
         """Every refusal not handed over yet, oldest first."""
         with self._lock:
