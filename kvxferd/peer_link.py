@@ -30,8 +30,10 @@ from kvxferd.config import PEER_BATCH_MSGS, Config
 from kvxferd.convert import layout_pb, room_key_pb, zero_copy_target_pb
 from kvxferd.credits import CreditWindow
 from kvxferd.domain import FailureCode, RoomKey
+from kvxferd.errors import AlreadyExists, KvxferError, Unavailable
 from kvxferd.metrics import Metrics
-from kvxferd.peer_auth import Binding, Proof
+from kvxferd.peer_auth import Binding, PeerAuth, PeerCreds, Proof
+from kvxferd.peer_wire import WireStream, dial
 from kvxferd.ports import BootstrapAnswer, BootstrapMsg, CreditSpec
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,22 @@ LAZY_FLUSH_S = 0.002
 MAX_RANGES_PER_MSG = 1024
 # Handshakes with one peer instance a Session Hello may be bound to (two sides may handshake at once).
 BINDINGS_KEPT = 4
+# How a stream is refused to the daemon that lost a tie-break (both dialed at once): not a loss.
+TIE_BREAK = "both daemons dialed a control stream at once; the one the lower daemon id dialed is kept"
+
+
+class TieBreak(AlreadyExists):
+    """A stream refused because the pair keeps the one its lower daemon id dialed."""
+
+    def __init__(self) -> None:
+        super().__init__(TIE_BREAK)
+
+
+def lost_tie_break(exc: BaseException) -> bool:
+    """Whether a stream we dialed was refused as the loser of a tie-break (gRPC or framed)."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code() == grpc.StatusCode.ALREADY_EXISTS and TIE_BREAK in (exc.details() or "")
+    return isinstance(exc, KvxferError) and TIE_BREAK in str(exc)
 
 
 def channel_credentials(config: Config) -> grpc.ChannelCredentials | None:
@@ -76,18 +94,32 @@ def grpc_options(config: Config) -> list[tuple[str, int]]:
 
 
 class Session:
-    """One open Session stream, dialed by us or accepted from the peer."""
+    """One open Session stream, dialed by us (`ours`) or accepted from the peer.
+
+    When both daemons dial at once, the pair keeps the stream the lower daemon id dialed (see
+    PeerLink.race). A stream the higher one dials may thus be refused, or dropped for the peer's:
+    it is opened with `hold`, and nothing but its Hello goes out on it before the peer has taken it
+    up (its first batch, which an accepting daemon sends at once), so nothing is lost with it."""
 
     def __init__(self, write: Callable[[peer_pb2.PeerBatch], Awaitable[Any]], cancel: Callable[[], Any],
-                 kind: str = "grpc") -> None:
+                 kind: str = "grpc", ours: bool = False, hold: bool = False) -> None:
         self.write = write
         self.cancel = cancel
         self.kind = kind  # framed (kvxferd.peer_wire), grpc (the Session RPC) or local
+        self.ours = ours
+        self.hold = hold
         self.closed = False
         self.writer: asyncio.Task[None] | None = None
         # Whether the peer has spoken on this stream yet (a Hello counts): until it has, the
         # liveness check gives it the handshake's time, not the heartbeat limit.
         self.heard = False
+        self.heard_at = 0.0
+        self._go = asyncio.Event()  # held writes may go: the peer spoke, or the stream is closed
+
+    def hear(self) -> None:
+        if not self.heard:
+            self.heard, self.heard_at = True, time.monotonic()
+            self._go.set()
 
 
 class PeerLink:
@@ -106,6 +138,7 @@ class PeerLink:
         self.md_epoch_sent = -1
         self.last_rx = time.monotonic()
         self.session: Session | None = None
+        self.dialing = False  # a stream of ours is being opened (not attached yet)
         # The instance we last lost (or "" if never): a session that comes up again tells the
         # ledger, which then settles the credits revoked at the loss.
         self.lost_instance = ""
@@ -134,15 +167,102 @@ class PeerLink:
 
     # ------------------------------------------------------------------ the stream
 
+    async def open_stream(self, first: peer_pb2.PeerBatch, config: Config, auth: PeerAuth,
+                          hold: bool) -> tuple[Session, Any] | None:
+        """Our stream to the peer with `first` (its Hello) sent: framed where the peer serves it and
+        we reach it, else the Session RPC. None if the peer's stream came up meanwhile and we took
+        it (see `taken`; on the framed stream no Hello went out on ours then)."""
+        wire = await self._dial_framed(config, auth)
+        if self.taken(wire.abort if wire is not None else lambda: None):
+            return None
+        if wire is None:
+            call = self.stub.Session()
+            await call.write(first)
+            return Session(call.write, call.cancel, ours=True, hold=hold), call
+        try:
+            await wire.write(first)
+        except BaseException:
+            wire.abort()
+            raise
+        return Session(wire.write, wire.abort, "framed", ours=True, hold=hold), wire
+
+    async def _dial_framed(self, config: Config, auth: PeerAuth) -> WireStream | None:
+        """The peer's framed stream; None where it names none (or it is off here) or it is out of
+        reach, for the Session RPC to serve instead."""
+        if not self.stream_address or config.peer_stream_port < 0:
+            return None
+        try:
+            wire = await dial(self.stream_address, config, CONTROL_TIMEOUT_S)
+        except (OSError, asyncio.TimeoutError) as exc:
+            # A firewall that lets only the peer port through, say: slower, but it works.
+            logger.warning("peer %s: its control stream at %s is out of reach (%s); using the gRPC "
+                           "Session stream instead", self.daemon_id, self.stream_address, exc or type(exc).__name__)
+            return None
+        try:
+            # mTLS: the stream's server must be the daemon we handshook with.
+            auth.check_claim(PeerCreds(wire.peer_cert_ids()), self.daemon_id)
+        except BaseException:
+            wire.abort()
+            raise
+        return wire
+
+    def taken(self, close: Callable[[], Any]) -> bool:
+        """While we dial: True, with our stream closed by `close`, if the link has a stream now (the
+        peer's, taken in a tie-break it won); raises if the peer was lost meanwhile."""
+        if self.up and self.session is None:
+            return False
+        close()
+        if not self.up:
+            raise Unavailable(f"peer {self.daemon_id} was lost while our control stream to it was opened")
+        return True
+
     def attach(self, session: Session) -> None:
-        """Makes `session` the one we write to (a newer one replaces an older one)."""
+        """Makes `session` the one we write to (a newer one replaces an older one). Its first batch
+        leaves at once: for a stream we accepted, that tells the dialer it was taken up."""
         old, self.session = self.session, session
         if old is not None and old is not session:
             self._close(old)
         self.last_rx = time.monotonic()
         session.writer = asyncio.ensure_future(self._write_loop(session))
-        if self._out:
-            self._wake.set()
+        self._wake.set()
+
+    def drop(self, session: Session) -> None:
+        """Closes a stream the peer refused in a tie-break: not a loss. What is queued stays for the
+        stream the peer dialed; liveness calls the peer lost if that one does not come up."""
+        if self.session is session:
+            self.session = None
+            self.last_rx = time.monotonic()
+        self._close(session)
+
+    def race(self, low: bool, now: float, recent_s: float) -> str:
+        """What to do with a stream the peer opened while this link is up: "take" it, "refuse" it
+        (TieBreak: we are the lower daemon id and dial or hold a stream of ours, which the peer will
+        take instead), or take it as a "replace"ment of a stream the peer must have lost.
+
+        Both dialed at once: the lower id keeps its own stream; the higher one takes the lower's
+        and drops its own, which has carried nothing yet (held). A stream of ours the peer took up
+        within `recent_s` still counts as dialed at once (its Hello may have crossed our stream's
+        first batch); an older one, or one the peer dialed, was given up by the peer if it dials
+        again (it dials only with no stream), and what ran on it failed on its side."""
+        cur = self.session
+        mine = self.dialing or (cur is not None and cur.ours)
+        if mine and low and (cur is None or not cur.heard or now - cur.heard_at < recent_s):
+            return "refuse"
+        if cur is None or (mine and not low and not cur.heard):
+            return "take"
+        return "replace"
+
+    def silent(self, now: float, limit: float, first_word: float) -> str:
+        """Why this link (up) is to be called lost now, or "". A stream must hear from the peer
+        every `limit` s, a new one within `first_word`; a link the peer handshook on but opened no
+        stream for (or whose stream was refused or dropped) within `first_word` is lost as well."""
+        quiet = now - self.last_rx
+        if self.session is None:
+            if not self.dialing and quiet >= first_word:
+                return f"no control stream for {quiet:.1f} s after the handshake"
+        elif quiet >= (limit if self.session.heard else first_word):
+            return f"no word for {quiet:.1f} s"
+        return ""
 
     def detach(self) -> None:
         if self.session is not None:
@@ -161,6 +281,7 @@ class PeerLink:
         # The writer is not cancelled mid-write: gRPC cannot end a stream while a write of it is
         # still pending. It sees `closed` once its current write is done, and stops.
         session.closed = True
+        session._go.set()
         self._wake.set()
         try:
             session.cancel()
@@ -168,6 +289,8 @@ class PeerLink:
             logger.debug("cancelling a peer stream failed", exc_info=True)
 
     async def _write_loop(self, session: Session) -> None:
+        if session.hold:
+            await session._go.wait()
         while not session.closed:
             try:
                 await asyncio.wait_for(self._wake.wait(), self._interval / 2)

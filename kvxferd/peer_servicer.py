@@ -159,7 +159,8 @@ class WireServer:
         if first is None:
             await stream.refuse(grpc.StatusCode.INVALID_ARGUMENT.value[0], NO_HELLO)
             return
-        session = Session(stream.write, stream.close, "framed")
+        # Its teardown (a loss, a newer stream) cuts it: nothing waits on a peer that stopped reading.
+        session = Session(stream.write, stream.abort, "framed")
         try:
             h = await self._m.accept(first.msgs[0].hello, session, PeerCreds(stream.peer_cert_ids()))
         except KvxferError as exc:

@@ -34,10 +34,20 @@ BATCH = 0
 REFUSE = 1
 # Above this much unsent data a write waits for the socket to drain (the peer reads slowly).
 _HIGH_WATER = 4 << 20
+# How long that wait may last: a peer that reads nothing for this long (stopped, wedged, a zero TCP
+# window) has its stream cut, so no writer, reader, buffer or socket stays behind for it.
+DRAIN_TIMEOUT_S = 5.0
+# A stream closed with data still unsent is cut if the peer has not taken it after this long.
+CLOSE_GRACE_S = 5.0
 
 
 class StreamRefused(KvxferError):
     """The accepting daemon refused the stream (the reason is its own words)."""
+
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(f"{reason} (code {code})")
+        self.code = code
+        self.reason = reason
 
 
 def server_context(config: Config) -> ssl.SSLContext | None:
@@ -61,6 +71,7 @@ class WireStream:
         self._reader = reader
         self._writer = writer
         self._max_frame = max_frame
+        self._cut_why = ""  # why we cut the stream, for the reader (empty: a plain close)
 
     @property
     def peer(self) -> str:
@@ -76,7 +87,12 @@ class WireStream:
         self._send(BATCH, batch.SerializeToString())
         transport: Any = self._writer.transport
         if transport.get_write_buffer_size() > _HIGH_WATER:
-            await self._writer.drain()
+            try:
+                await asyncio.wait_for(self._writer.drain(), DRAIN_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                self.abort(f"the peer read nothing for {DRAIN_TIMEOUT_S:g} s "
+                           f"({transport.get_write_buffer_size()} B unsent); stream cut")
+                raise ConnectionAbortedError(self._cut_why) from None
 
     def _send(self, kind: int, payload: bytes) -> None:
         if self._writer.is_closing():
@@ -93,8 +109,32 @@ class WireStream:
         self.close()
 
     def close(self) -> None:
-        if not self._writer.is_closing():
-            self._writer.close()
+        """Closes once what is buffered has been sent; cut if the peer takes none of it within
+        CLOSE_GRACE_S (a plain close would wait for a peer that stopped reading forever)."""
+        if self._writer.is_closing():
+            return
+        self._writer.close()
+        if self._writer.transport.get_write_buffer_size():
+            asyncio.get_running_loop().call_later(CLOSE_GRACE_S, self._cut_unsent)
+
+    def _cut_unsent(self) -> None:
+        # Data still buffered: the transport has not lost its connection yet (losing it empties
+        # the buffer), so aborting it is safe.
+        try:
+            if self._writer.transport.get_write_buffer_size():
+                self.abort("the peer did not read what was left to send; stream cut")
+        except Exception:
+            logger.debug("cutting a closed control stream failed", exc_info=True)
+
+    def abort(self, why: str = "") -> None:
+        """Cuts the stream at once, dropping what is unsent: a session's teardown waits for nothing
+        from the peer. The reader then ends (with `why` as its error, if given)."""
+        self._cut_why = self._cut_why or why
+        transport: Any = self._writer.transport
+        try:
+            transport.abort()
+        except Exception:  # the connection is gone already (a late abort can fail then)
+            logger.debug("aborting a control stream failed", exc_info=True)
 
     def __aiter__(self) -> WireStream:
         return self
@@ -104,6 +144,8 @@ class WireStream:
             head = await self._reader.readexactly(FRAME.size)
         except asyncio.IncompleteReadError as exc:
             if not exc.partial:
+                if self._cut_why:
+                    raise ConnectionAbortedError(self._cut_why) from None
                 raise StopAsyncIteration from None  # closed between frames
             raise ConnectionResetError("the control stream ended inside a frame header") from None
         length, kind = FRAME.unpack(head)
@@ -121,7 +163,7 @@ class WireStream:
                 self.close()
                 raise ConnectionAbortedError("a control frame that does not parse; stream closed") from None
         if kind == REFUSE and payload:
-            raise StreamRefused(f"{payload[1:].decode(errors='replace')} (code {payload[0]})")
+            raise StreamRefused(payload[0], payload[1:].decode(errors="replace"))
         self.close()
         raise ConnectionAbortedError(f"a control frame of unknown kind {kind}; stream closed")
 
@@ -135,3 +177,15 @@ async def dial(address: str, config: Config, timeout: float) -> WireStream:
                                 limit=1 << 20),
         timeout)
     return WireStream(reader, writer, config.max_message_bytes)
+
+
+async def refused(address: str) -> bool:
+    """True if a TCP connect to `address` is actively refused (no process listens there)."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(*split_hostport(address)), 1.0)
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    return False

@@ -1,9 +1,11 @@
 """Peer daemons: handshakes, control streams, liveness, restarts, and routing what they send.
 
 Peers are learned from the rooms a daemon serves (ExpectRoom names the prefill daemon) and from
-the static `peers` list. A peer whose stream breaks or falls silent is lost at once: its rooms
-fail on this side and its credits are revoked. It is never blacklisted: the next connect
-handshakes again, with its new NIXL metadata if it restarted.
+the static `peers` list. A peer whose stream breaks or falls silent, or that handshakes and opens
+no stream, is lost at once: its rooms fail on this side and its credits are revoked. It is never
+blacklisted: the next connect handshakes again, with its new NIXL metadata if it restarted. Two
+daemons that dial each other at once keep the stream the lower daemon id dialed, and lose nothing
+(PeerLink.race); a peer that opens a new stream otherwise lost the one we hold, and so do we.
 """
 
 from __future__ import annotations
@@ -18,34 +20,22 @@ import grpc
 
 from kvxfer_client._pb.kvxfer.v1 import peer_pb2
 from kvxferd import __version__
-from kvxferd.config import Config, _valid_hostport, split_hostport
+from kvxferd.config import Config, _valid_hostport
 from kvxferd.convert import daemon_ref, daemon_ref_pb
 from kvxferd.credits import CreditWindow
 from kvxferd.domain import DaemonRef
-from kvxferd.errors import InvalidArgument, KvxferError, PermissionDenied
+from kvxferd.errors import InvalidArgument, KvxferError, PermissionDenied, Unavailable
 from kvxferd.metrics import Metrics
 from kvxferd.peer_auth import Binding, PeerAuth, PeerCreds, Proof
 from kvxferd.peer_dispatch import PeerInbox, dispatch
 from kvxferd.peer_limits import PeerLimits, PeerStatus
-from kvxferd.peer_link import CONTROL_TIMEOUT_S, PeerLink, Session, proof_of, proof_pb
-from kvxferd.peer_wire import dial
+from kvxferd.peer_link import CONTROL_TIMEOUT_S, PeerLink, Session, TieBreak, lost_tie_break, proof_of, proof_pb
+from kvxferd.peer_wire import refused as _refused
 from kvxferd.ports import Identity, Link
 from kvxferd.transport import Transport
 from kvxferd.workers import WorkerPool
 
 logger = logging.getLogger(__name__)
-
-
-async def _refused(address: str) -> bool:
-    """True if a TCP connect to `address` is actively refused (no process listens there)."""
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(*split_hostport(address)), 1.0)
-    except ConnectionRefusedError:
-        return True
-    except (OSError, ValueError, asyncio.TimeoutError):
-        return False
-    writer.close()
-    return False
 
 
 class PeerManager:
@@ -70,6 +60,14 @@ class PeerManager:
         self.accept_delay_s = 0.0
         self._rx_batches = metrics.peer_batches.labels(direction="in")
         self._rx_msgs = metrics.peer_messages.labels(direction="in")
+        # Liveness: every live session hears from its peer at least every interval/2 (an empty
+        # batch when idle), so silence for `misses` intervals means the peer or the path is gone.
+        # A stream we dialed is silent until the peer has taken it up (checked its proof, maybe
+        # loaded new NIXL metadata): on a loaded node that took longer than a short heartbeat
+        # limit, and rooms failed PEER_LOST between a stream breaking and its replacement, so
+        # until the first word it gets the handshake's time; so does a handshake until its stream.
+        self._limit = config.heartbeat_misses * config.heartbeat_interval_s
+        self._first_word = max(self._limit, CONTROL_TIMEOUT_S)
 
     # ------------------------------------------------------------------ lookups
 
@@ -168,39 +166,23 @@ class PeerManager:
             h.bindings.append(binding)
 
     async def _dial_session(self, h: PeerLink) -> None:
-        proof = self.auth.hello_proof(self.me, h.instance_id, h.bindings[-1] if h.bindings else None)
-        hello = peer_pb2.PeerMsg(hello=peer_pb2.Hello(sender=self._me, peer_instance_id=h.instance_id,
-                                                      proof=proof_pb(proof)))
-        first = peer_pb2.PeerBatch(msgs=[hello])
-        opened = await self._dial_framed(h, first)
-        if opened is None:
-            call = h.stub.Session()
-            await call.write(first)
-            opened = Session(call.write, call.cancel), call
+        h.dialing = True  # in the same step as connect's check (see PeerLink.race)
+        try:
+            proof = self.auth.hello_proof(self.me, h.instance_id, h.bindings[-1] if h.bindings else None)
+            hello = peer_pb2.PeerMsg(hello=peer_pb2.Hello(sender=self._me, peer_instance_id=h.instance_id,
+                                                          proof=proof_pb(proof)))
+            # The higher daemon id holds its writes until the peer has taken the stream up.
+            opened = await h.open_stream(peer_pb2.PeerBatch(msgs=[hello]), self.config, self.auth,
+                                         hold=self.ident.daemon_id > h.daemon_id)
+        finally:
+            h.dialing = False
+        if opened is None or h.taken(opened[0].cancel):
+            logger.info("control stream with %s (%s): the peer's came up while ours was being opened; "
+                        "ours is closed", h.daemon_id, h.address)
+            return
         session, batches = opened
         self._start_session(h, session)
         self._spawn(self._read(h, session, batches), f"{session.kind} control stream with {h.address}")
-
-    async def _dial_framed(self, h: PeerLink, first: peer_pb2.PeerBatch) -> tuple[Session, Any] | None:
-        """The peer's framed stream, opened with `first` sent; None where it names none (or it is off
-        here) or it is out of reach, for the Session RPC to serve instead."""
-        if not h.stream_address or self.config.peer_stream_port < 0:
-            return None
-        try:
-            wire = await dial(h.stream_address, self.config, CONTROL_TIMEOUT_S)
-        except (OSError, asyncio.TimeoutError) as exc:
-            # A firewall that lets only the peer port through, say: slower, but it works.
-            logger.warning("peer %s: its control stream at %s is out of reach (%s); using the gRPC "
-                           "Session stream instead", h.daemon_id, h.stream_address, exc or type(exc).__name__)
-            return None
-        try:
-            # mTLS: the stream's server must be the daemon we handshook with.
-            self.auth.check_claim(PeerCreds(wire.peer_cert_ids()), h.daemon_id)
-            await wire.write(first)
-        except BaseException:
-            wire.close()
-            raise
-        return Session(wire.write, wire.close, "framed"), wire
 
     def _start_session(self, h: PeerLink, session: Session) -> None:
         self._metrics.peer_streams.labels(kind=session.kind).inc()
@@ -213,20 +195,28 @@ class PeerManager:
     async def _read(self, h: PeerLink, session: Session, batches: Any, reraise: bool = False) -> None:
         why = "control stream closed"
         refused: KvxferError | None = None
+        tie = False
         try:
             async for batch in batches:
                 if session.closed:
                     return
-                session.heard = True
+                if not session.heard:
+                    session.hear()  # (a stream we dialed: taken up, our held writes may go)
                 self.on_batch(h, batch)
         except KvxferError as exc:
-            why, refused = f"control stream refused: {exc}", exc
+            why, refused, tie = f"control stream refused: {exc}", exc, lost_tie_break(exc)
         except grpc.aio.AioRpcError as exc:
-            why = f"control stream broke: {exc.code().name}"
+            why, tie = f"control stream broke: {exc.code().name}", lost_tie_break(exc)
         except asyncio.CancelledError:
             return
         except Exception as exc:
             why = f"control stream failed: {exc!r}"
+        if tie and session.ours and not session.heard:
+            # Both dialed at once and the peer keeps its own stream: ours carried nothing but its
+            # Hello (held), and what is queued goes on the peer's stream once it is taken up.
+            logger.info("control stream with %s (%s): the peer keeps the one it dialed", h.daemon_id, h.address)
+            h.drop(session)
+            return
         if h.session is session and not session.closed:
             self.lost(h, why)
         if refused is not None and reraise:
@@ -305,7 +295,18 @@ class PeerManager:
             logger.warning("fault injection: accepting the stream from %s %.1f s late", ref.daemon_id,
                            self.accept_delay_s)
             await asyncio.sleep(self.accept_delay_s)
-        session.heard = True  # its Hello
+            if not h.up or h.instance_id != ref.instance_id:
+                raise Unavailable(f"daemon {ref.daemon_id!r} was lost before its stream was taken up")
+        # From here to the attach nothing awaits: the decision holds for the state it saw.
+        verdict = h.race(self.ident.daemon_id < h.daemon_id, time.monotonic(), self._first_word)
+        if verdict == "refuse":
+            logger.info("control stream from %s: both dialed at once; the pair keeps ours", h.daemon_id)
+            raise TieBreak()
+        if verdict == "replace":
+            # It dials only when it has no stream with us: it lost the one we hold (and failed
+            # what ran on it), so we lose it too.
+            self._lose_session(h, "it opened a new control stream; the old one is lost")
+        session.hear()  # its Hello
         self._start_session(h, session)
         return h
 
@@ -380,16 +381,21 @@ class PeerManager:
         if not h.up:
             return
         h.up = False
-        h.lost_instance = h.instance_id
-        logger.warning("peer %s (%s) lost: %s", h.daemon_id, h.address, reason)
-        h.detach()
-        h.window.lost()
-        self._inbox.on_peer_lost(h, f"peer {h.daemon_id} lost: {reason}")
+        self._lose_session(h, reason)
         if h.agent_name and not h.is_self:
             name, h.agent_name = h.agent_name, ""
             h.metadata = b""
             self._spawn(self._workers.run_blocking(self._transport.remove_remote, name), "remove remote")
         self._refresh()
+
+    def _lose_session(self, h: PeerLink, reason: str) -> None:
+        """What ran on the link's stream fails and its credits are revoked (the link stays up if
+        only its stream was lost: the next one tells the ledger, as after a loss)."""
+        h.lost_instance = h.instance_id
+        logger.warning("peer %s (%s) lost: %s", h.daemon_id, h.address, reason)
+        h.detach()
+        h.window.lost()
+        self._inbox.on_peer_lost(h, f"peer {h.daemon_id} lost: {reason}")
 
     def instance_gone(self, daemon_id: str, instance_id: str, reason: str) -> None:
         """The fleet registry lost this instance's record (lease expired or revoked, or a new instance
@@ -445,34 +451,39 @@ class PeerManager:
             await h.close()
 
     async def _liveness(self) -> None:
-        # Every live session hears from its peer at least every interval/2 (an empty batch when
-        # idle): silence for `misses` intervals means the peer or the path is gone. A stream we
-        # dialed is silent until the peer has taken it up (checked its proof, maybe loaded new
-        # NIXL metadata): on a loaded node that took longer than a short heartbeat limit, and rooms
-        # failed PEER_LOST between a stream breaking and its replacement, so until the first
-        # word it gets the handshake's time.
+        # Silent streams, and handshakes that no stream followed, are lost (PeerLink.silent); idle
+        # credit windows go back. A failure with one peer is logged and the pass goes on: this task
+        # ending would stop all of that, and the redials, for the rest of the process.
         interval = self.config.heartbeat_interval_s
-        limit = self.config.heartbeat_misses * interval
-        first_word = max(limit, CONTROL_TIMEOUT_S)
         while True:
             await asyncio.sleep(interval / 4)
             now = time.monotonic()
             for h in set(self._by_id.values()):
-                if not h.up:
-                    continue
-                if h.session is not None and now - h.last_rx >= (limit if h.session.heard else first_word):
-                    self.lost(h, f"no word for {now - h.last_rx:.1f} s")
-                    continue
-                h.window.sweep(now)
+                try:
+                    if not h.up:
+                        continue
+                    why = h.silent(now, self._limit, self._first_word)
+                    if why:
+                        self.lost(h, why)
+                    else:
+                        h.window.sweep(now)
+                except Exception:
+                    logger.exception("peer %s (%s): liveness check failed", h.daemon_id, h.address)
             # Static peers, and peers we lost, are dialed again until they answer (backing off to
             # 4 intervals): a restarted peer is up again, with its new metadata, before the next room.
             for addr in {*self.config.peers, *(h.address for h in self._by_address.values() if h.daemon_id)}:
-                h = self.link(addr)
-                if h.up or h.is_self or h.lock.locked() or now < self._next_dial.get(addr, (0.0, 0.0))[0]:
-                    continue
-                wait = min(self._next_dial.get(addr, (0.0, interval / 2))[1] * 2, 4 * interval)
-                self._next_dial[addr] = (now + wait, wait)
-                self._spawn(self._dial(addr), f"dial {addr}")
+                try:
+                    self._redial(addr, now, interval)
+                except Exception:
+                    logger.exception("peer %s: redial failed", addr)
+
+    def _redial(self, addr: str, now: float, interval: float) -> None:
+        h = self.link(addr)
+        if h.up or h.is_self or h.lock.locked() or now < self._next_dial.get(addr, (0.0, 0.0))[0]:
+            return
+        wait = min(self._next_dial.get(addr, (0.0, interval / 2))[1] * 2, 4 * interval)
+        self._next_dial[addr] = (now + wait, wait)
+        self._spawn(self._dial(addr), f"dial {addr}")
 
     async def _dial(self, addr: str) -> None:
         try:
