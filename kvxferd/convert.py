@@ -77,6 +77,7 @@ def engine_spec(req: engine_pb2.RegisterEngineRequest) -> EngineSpec:
     return EngineSpec(
         role=Role(req.role), group=req.group, layout=lay, parallel=parallel, ring_bytes=req.ring_bytes,
         cuda_ring=cuda, lease_ms=req.lease_ms, name=req.name, zero_copy=req.zero_copy,
+        claim_slots=req.claim_slots,
     )
 
 
@@ -96,7 +97,7 @@ def chunk_spec(req: engine_pb2.EnqueueChunkRequest) -> ChunkSpec:
         page_ids = ()
     room, slot = req.room, req.slot
     return ChunkSpec(RoomKey(room.id, room.generation), req.chunk_id, req.token_start, req.num_tokens,
-                     SlotRef(slot.offset, slot.length), req.last, req.aux, page_ids)
+                     SlotRef(slot.offset, slot.length), req.last, req.aux, page_ids, req.claim)
 
 
 def zero_copy_target(pb: peer_pb2.ZeroCopyTarget) -> ZeroCopyTarget:

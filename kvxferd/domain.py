@@ -71,6 +71,8 @@ class EngineSpec:
     lease_ms: int
     name: str
     zero_copy: bool = False
+    # Asked for claimed slots (RegisterEngineRequest.claim_slots); granted to slot-ring senders.
+    claim_slots: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +93,8 @@ class ChunkSpec:
     last: bool
     aux: bytes
     pages: tuple[int, ...] = ()
+    # The engine's tag for a slot it cut out of its ring itself; 0: a slot from AcquireSlot.
+    claim: int = 0
 
 
 @dataclass(frozen=True)

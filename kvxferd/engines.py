@@ -64,6 +64,10 @@ class Engine:
     closing: bool = False
     # Zero-copy engines: token slots per (layer, plane) in the pool held by the ring.
     pool_slots: int = 0
+    # Claimed slots (RegisterEngineRequest.claim_slots): the engine's tag of each slot it cut out
+    # of its ring that the daemon holds, by offset, and the tags let go of not yet told.
+    claims: dict[int, int] = field(default_factory=dict)
+    freed_claims: list[int] = field(default_factory=list)
 
     @property
     def role(self) -> Role:
@@ -72,6 +76,11 @@ class Engine:
     @property
     def rank(self) -> int:
         return self.spec.parallel.tp_rank
+
+    @functools.cached_property
+    def claims_slots(self) -> bool:
+        """Cuts its own slots: asked for, and a sender with a slot ring (zero-copy has no slots)."""
+        return self.spec.claim_slots and self.role is Role.PREFILL and not self.spec.zero_copy
 
     @functools.cached_property
     def token_bytes(self) -> int:
@@ -324,6 +333,10 @@ class EngineTable:
 
     def free_slot(self, eng: Engine, offset: int) -> None:
         eng.ring.alloc.free(offset)
+        if eng.claims:
+            tag = eng.claims.pop(offset, None)
+            if tag is not None:
+                eng.freed_claims.append(tag)
         eng.space.set()
         if eng.closing:
             self.maybe_close_ring(eng)
@@ -361,6 +374,55 @@ class EngineTable:
                 left = deadline - time.monotonic()
                 if left <= 0 or eng.closing:
                     raise
+            try:
+                await asyncio.wait_for(eng.space.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+
+    def check_claim(self, eng: Engine, slot: SlotRef, need: int) -> None:
+        """A claimed slot may be taken: inside the ring, aligned, big enough, and free. Nothing
+        changes here (take_claim does, once the chunk is accepted)."""
+        if not eng.claims_slots:
+            raise FailedPrecondition("this engine did not register with claim_slots: its slots come from AcquireSlot")
+        ring, align = eng.ring, eng.ring.alloc.align
+        if slot.offset % align or slot.length <= 0 or slot.offset + slot.length > ring.size:
+            raise InvalidArgument(f"claimed slot [{slot.offset}, +{slot.length}) is not an aligned range of the "
+                                  f"{ring.size} B ring (alignment {align} B)")
+        if need > slot.length:
+            raise InvalidArgument(f"the chunk needs {need} B but the claimed slot has {slot.length} B")
+        if not ring.alloc.is_free(slot.offset, slot.length):
+            raise FailedPrecondition(f"claimed slot [{slot.offset}, +{slot.length}) overlaps a slot the daemon holds")
+
+    def take_claim(self, eng: Engine, slot: SlotRef, tag: int) -> None:
+        if not eng.ring.alloc.claim(slot.offset, slot.length):
+            raise FailedPrecondition(f"claimed slot [{slot.offset}, +{slot.length}) is not free")
+        eng.claims[slot.offset] = tag
+
+    def take_freed(self, engine_id: str) -> list[int]:
+        """The claims let go of since the engine was last told (each is told once)."""
+        eng = self.engines.get(engine_id)
+        if eng is None or not eng.freed_claims:
+            return []
+        out, eng.freed_claims = eng.freed_claims, []
+        return out
+
+    async def wait_freed(self, engine_id: str, believed: list[int], wait_s: float) -> list[int]:
+        """The claims the engine may cut again (freed, or believed held but not), waiting up to
+        wait_s for one while there is none."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            eng = self.get(engine_id, Role.PREFILL)
+            if not eng.claims_slots:
+                raise FailedPrecondition("this engine did not register with claim_slots")
+            eng.space.clear()
+            held = set(eng.claims.values())
+            out = self.take_freed(engine_id) + [t for t in believed if t not in held]
+            if out:
+                return out
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ResourceExhausted(f"ring full: {eng.ring.alloc.used_bytes}/{eng.ring.size} B held by "
+                                        f"{eng.ring.alloc.slots_held} slots")
             try:
                 await asyncio.wait_for(eng.space.wait(), left)
             except asyncio.TimeoutError:

@@ -95,6 +95,39 @@ class RingAllocator:
                 return start
         return None
 
+    def is_free(self, offset: int, length: int) -> bool:
+        """[offset, offset + align_up(length)) lies inside one free range."""
+        i = bisect.bisect_right(self._free_starts, offset) - 1
+        return i >= 0 and offset + align_up(length, self.align) <= self._free_starts[i] + self._free_lens[i]
+
+    def claim(self, offset: int, length: int) -> bool:
+        """Holds [offset, offset + align_up(length)) if all of it is free (a slot the engine cut
+        out of its ring itself); False, changing nothing, if any of it is held or outside."""
+        need = align_up(length, self.align)
+        if length <= 0 or offset < 0 or offset % self.align or offset + need > self.size:
+            return False
+        i = bisect.bisect_right(self._free_starts, offset) - 1
+        if i < 0:
+            return False
+        start, flen = self._free_starts[i], self._free_lens[i]
+        if offset + need > start + flen:
+            return False
+        # Cut the slot out of its free range: what stays is the part before it and the part after.
+        before, after = offset - start, start + flen - offset - need
+        if before:
+            self._free_lens[i] = before
+            if after:
+                self._free_starts.insert(i + 1, offset + need)
+                self._free_lens.insert(i + 1, after)
+        elif after:
+            self._free_starts[i], self._free_lens[i] = offset + need, after
+        else:
+            del self._free_starts[i]
+            del self._free_lens[i]
+        self._held[offset] = need
+        self._used += need
+        return True
+
     def holds(self, offset: int, length: int) -> bool:
         """True if [offset, offset+length) lies inside one held slot starting at offset."""
         held = self._held.get(offset)

@@ -175,6 +175,12 @@ class Node:
         self.engines.release_slot(engine_id, slot)
         self.refresh_metrics()
 
+    def take_freed(self, engine_id: str) -> list[int]:
+        return self.engines.take_freed(engine_id)
+
+    async def wait_freed(self, engine_id: str, believed: list[int], wait_s: float) -> list[int]:
+        return await self.engines.wait_freed(engine_id, believed, wait_s)
+
     def enqueue_chunk(self, engine_id: str, chunk: ChunkSpec) -> None:
         self.send.enqueue(engine_id, chunk)
 

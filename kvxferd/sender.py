@@ -119,6 +119,9 @@ class SendSide:
         if chunk.pages:
             raise InvalidArgument("pages are only for zero-copy engines; this engine sends slots")
         slot = chunk.slot
+        if chunk.claim:
+            self.engines.check_claim(eng, slot, eng.token_bytes * chunk.num_tokens)
+            return
         if slot.offset not in eng.acquired:
             raise InvalidArgument(
                 f"slot at offset {slot.offset} is not a slot this engine acquired (or it was already enqueued)"
@@ -163,7 +166,10 @@ class SendSide:
         # Accepted: from here on the daemon owns the slot.
         room.writers[rank] = w
         eng.send_rooms.add(key.id)
-        eng.acquired.discard(chunk.slot.offset)
+        if chunk.claim:
+            self.engines.take_claim(eng, chunk.slot, chunk.claim)
+        else:
+            eng.acquired.discard(chunk.slot.offset)
         out = OutChunk(rank, eng, chunk, slot_freed=eng.spec.zero_copy)
         w.chunks[chunk.chunk_id] = out
         if chunk.last:

@@ -152,6 +152,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             lane_socket=node.config.socket + LANE_SUFFIX if node.config.engine_lane else "",
             ring_offset=eng.ring.pool_offset if eng.ring.kind == "host" else 0, ring_bytes=eng.ring.size,
             lease_ms=int(node.lease_s(eng) * 1000), daemon_id=node.ident.daemon_id, peer_address=node.ident.address,
+            claim_slots=eng.claims_slots, token_bytes=eng.token_bytes if eng.claims_slots else 0,
+            slot_align=eng.ring.alloc.align if eng.claims_slots else 0,
         )
 
     async def UnregisterEngine(self, request: engine_pb2.UnregisterEngineRequest, context: Any) -> engine_pb2.UnregisterEngineReply:
@@ -162,10 +164,13 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         return engine_pb2.KeepAliveReply(lease_ms=int(self._node.keep_alive(request.engine_id) * 1000))
 
     async def AcquireSlot(self, request: engine_pb2.AcquireSlotRequest, context: Any) -> engine_pb2.AcquireSlotReply:
+        # Bounded by the call's own deadline too: a waiting call never outlives its caller.
+        left = context.time_remaining()
+        wait_s = min(request.wait_ms / 1000, 600.0, max(0.0, left - 0.05) if left is not None else 600.0)
+        if request.claims:
+            freed = await self._node.wait_freed(request.engine_id, list(request.held_claims), wait_s)
+            return engine_pb2.AcquireSlotReply(freed_claims=freed)
         if request.wait_ms:
-            # Bounded by the call's own deadline too: a waiting call never outlives its caller.
-            left = context.time_remaining()
-            wait_s = min(request.wait_ms / 1000, 600.0, max(0.0, left - 0.05) if left is not None else 600.0)
             slot, nbytes = await self._node.acquire_slot_wait(request.engine_id, request.num_tokens, wait_s)
         else:
             slot, nbytes = self._node.acquire_slot(request.engine_id, request.num_tokens)
@@ -188,7 +193,17 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     async def EnqueueChunk(self, request: engine_pb2.EnqueueChunkRequest, context: Any) -> engine_pb2.EnqueueChunkReply:
         self._node.enqueue_chunk(request.engine_id, chunk_spec(request))
-        return self._accepted(request)
+        return self._with_freed(request, self._accepted(request))
+
+    def _with_freed(self, req: engine_pb2.EnqueueChunkRequest,
+                    reply: engine_pb2.EnqueueChunkReply) -> engine_pb2.EnqueueChunkReply:
+        """Claimed slots the daemon let go of, told to the engine with a reply it gets anyway
+        (once per call: a batch's come in its first result)."""
+        if req.claim:
+            freed = self._node.take_freed(req.engine_id)
+            if freed:
+                reply.freed_claims.extend(freed)
+        return reply
 
     def _enqueue_one(self, req: engine_pb2.EnqueueChunkRequest,
                      reply: engine_pb2.EnqueueChunkReply | None = None) -> engine_pb2.EnqueueChunkReply:
@@ -224,6 +239,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         for c in request.chunks:
             # Filled in place: results=[...] would copy each reply message into the list once more.
             self._enqueue_one(c, add())
+        if request.chunks:
+            self._with_freed(request.chunks[0], reply.results[0])
         return reply
 
     async def EnqueueStream(
@@ -236,7 +253,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 except errors.KvxferError as exc:
                     yield engine_pb2.EnqueueChunkReply(code=status_of(exc).value[0], message=str(exc))
                     continue
-                yield self._enqueue_one(req)
+                yield self._with_freed(req, self._enqueue_one(req))
 
     @contextlib.asynccontextmanager
     async def _stream(self, context: Any) -> AsyncIterator[StreamTicket]:

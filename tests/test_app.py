@@ -132,7 +132,8 @@ def test_port_in_use_exits_nonzero(daemons: Any) -> None:
 def test_sigterm_drains_and_exits_zero(daemons: Any) -> None:
     d = daemons("solo", "--set", "drain_grace_s=2")
     # No spare slot: the acquire after SIGTERM must reach the daemon to be refused.
-    with PrefillSender(socket=d.socket, group="g", layout=LAYOUT, ring_bytes=1 << 20, prefetch_slots=False) as tx:
+    with PrefillSender(socket=d.socket, group="g", layout=LAYOUT, ring_bytes=1 << 20, prefetch_slots=False,
+                       claim_slots=False) as tx:
         slot = tx.acquire(8)
         assert slot.chunk_bytes == 2 * 2 * 8 * 16 * 2 * 2
         # A room nobody bootstraps keeps the drain busy for the whole grace period.

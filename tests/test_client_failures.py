@@ -81,7 +81,7 @@ def test_a_deferred_chunk_that_could_not_be_sent_leaves_no_spare_ask(daemons: An
     """enqueue(wait=False) raising before anything left (no connection) settles its spare ask:
     two such failures used to leave the depth-2 ask budget spent for good."""
     d = daemons("ask-unsent")
-    with PrefillSender(socket=d.socket, group="g", layout=LAYOUT, ring_bytes=1 << 20) as tx:
+    with PrefillSender(socket=d.socket, group="g", layout=LAYOUT, ring_bytes=1 << 20, claim_slots=False) as tx:
         slot = tx.acquire(8)
         with _lane_moved(tx.reg.lane_socket):
             for cid in (0, 1):
@@ -98,7 +98,7 @@ def test_a_deferred_chunk_that_could_not_be_sent_leaves_no_spare_ask(daemons: An
 
 def test_a_release_that_fails_leaves_the_other_spares_to_the_next_call(daemons: Any) -> None:
     d = daemons("surplus")
-    with PrefillSender(socket=d.socket, group="g", layout=LAYOUT, ring_bytes=1 << 20) as tx:
+    with PrefillSender(socket=d.socket, group="g", layout=LAYOUT, ring_bytes=1 << 20, claim_slots=False) as tx:
         slots = [tx.acquire(8) for _ in range(3)]
         tx.release_slot(slots[0])  # behind the client's back: the daemon refuses it from now on
         for s in slots:
@@ -133,7 +133,8 @@ def test_a_release_that_fails_leaves_the_other_spares_to_the_next_call(daemons: 
 
 async def test_async_a_release_that_fails_leaves_the_other_spares_to_the_next_call(daemons: Any) -> None:
     d = daemons("asurplus")
-    tx = await AsyncPrefillSender.create(socket=d.socket, group="g", layout=LAYOUT, ring_bytes=1 << 20)
+    tx = await AsyncPrefillSender.create(socket=d.socket, group="g", layout=LAYOUT, ring_bytes=1 << 20,
+                                         claim_slots=False)
     try:
         slots = [await tx.acquire(8) for _ in range(3)]
         await tx.release_slot(slots[0])

@@ -37,7 +37,9 @@ def test_chunks_sent_without_waiting_land_byte_exact(daemons: Any) -> None:
     dec = daemons("decode")
     chunks, tokens = 24, 32
     data = [random.Random(i).randbytes(TOKEN_BYTES * tokens) for i in range(chunks)]
-    with PrefillSender(socket=pre.socket, group="dw-pre", layout=LAYOUT, ring_bytes=4 << 20) as tx, \
+    # Slots from the daemon, with spares (the claimed-slot client is tests/test_claimed_slots.py).
+    with PrefillSender(socket=pre.socket, group="dw-pre", layout=LAYOUT, ring_bytes=4 << 20,
+                       claim_slots=False) as tx, \
             DecodeReceiver(socket=dec.socket, group="dw-dec", layout=LAYOUT, ring_bytes=4 << 20) as rx:
         rx.expect(1, pre.peer_address, "dw-pre", chunks * tokens)
         for cid in range(chunks):
@@ -173,11 +175,12 @@ async def test_async_chunks_sent_without_waiting_land_byte_exact(daemons: Any) -
         assert final.state is RoomState.SUCCESS
         assert [got[c] for c in range(chunks)] == data
         assert (await tx.wait(1, timeout=10)).state is RoomState.SUCCESS
-        # One EnqueueChunk per chunk, and spares (two held ahead) spare most AcquireSlot calls.
+        # One EnqueueChunk per chunk and nothing else: the slots are cut in the client (claimed)
+        # and the ring never filled.
+        assert tx.claims is not None
         assert metric(pre, RPCS, 'method="EnqueueChunk"') == chunks
-        assert 1 <= metric(pre, RPCS, 'method="AcquireSlot"') <= chunks // 2 + 1
-        held = [e.slots_held for e in status(pre.socket).engines]
-        assert held == [len(tx.spare._held)] and held[0] <= 2
+        assert metric(pre, RPCS, 'method="AcquireSlot"') == 0
+        assert [e.slots_held for e in status(pre.socket).engines] == [0]
     finally:
         await rx.close()
         await tx.close()

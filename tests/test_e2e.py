@@ -127,7 +127,8 @@ def test_a_sender_makes_one_call_per_chunk_and_gives_the_spare_slot_back(daemons
     chunks, tokens = 8, 32
     token_bytes = LAYOUT.num_layers * 2 * LAYOUT.total_kv_heads * LAYOUT.head_dim * LAYOUT.dtype_bytes
     data = [random.Random(i).randbytes(token_bytes * tokens) for i in range(chunks)]
-    with PrefillSender(socket=pre.socket, group="spare-pre", layout=LAYOUT, ring_bytes=4 << 20) as tx, \
+    with PrefillSender(socket=pre.socket, group="spare-pre", layout=LAYOUT, ring_bytes=4 << 20,
+                       claim_slots=False) as tx, \
             DecodeReceiver(socket=dec.socket, group="spare-dec", layout=LAYOUT, ring_bytes=4 << 20) as rx:
         rx.expect(1, pre.peer_address, "spare-pre", chunks * tokens)
         acquires = metric(pre, RPCS, 'method="AcquireSlot"')

@@ -75,7 +75,7 @@ def test_kill9_then_restart_reclaims_everything_and_old_engines_get_a_clear_erro
     assert len(pools(shm)) == 1
     # The engine still maps the old pool: every call naming its registration says what happened.
     with pytest.raises(KvxferError) as ei:
-        tx.acquire(16, timeout=2)
+        tx.enqueue(1, 0, 0, 16, tx.acquire(16, timeout=2), last=True)  # the slot is cut in the client
     assert ei.value.code.name == "NOT_FOUND" and "earlier instance of this daemon" in ei.value.message
     tx.close(unregister=False)
     with PrefillSender(socket=d2.socket, group="g", layout=LAYOUT, ring_bytes=1 << 20) as again:

@@ -146,7 +146,8 @@ def test_peer_memory_changes_while_rooms_are_in_flight(pair: Pair, fleet: Fleet)
 def test_chunk_outside_ring_is_rejected_and_nothing_written(pair: Pair) -> None:
     pre, dec = pair
     ring = 256 << 10
-    with PrefillSender(socket=pre.socket, group="oob-pre", layout=LAYOUT, ring_bytes=ring) as tx, \
+    with PrefillSender(socket=pre.socket, group="oob-pre", layout=LAYOUT, ring_bytes=ring,
+                       claim_slots=False) as tx, \
             DecodeReceiver(socket=dec.socket, group="oob-dec", layout=LAYOUT, ring_bytes=ring) as rx:
         guard = bytes([0xA5]) * ring
         rx.view(0, ring)[:] = guard

@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 
 from kvxfer_client._aio_lane import AioLane
+from kvxfer_client._claims import ClaimRing, merge_batch, split_batch
 from kvxfer_client._common import (
     RING_READY_TIMEOUT_S,
     Chunk,
@@ -61,13 +62,19 @@ class _AsyncEngineClient:
         self._renewer: asyncio.Task[None] | None = None
         self.ring_tensor: Any = None
 
+    def _registered(self) -> None:
+        """What a role sets up once the daemon answered RegisterEngine."""
+
     @classmethod
     async def create(
         cls, *, group: str, layout: Layout, tp_size: int = 1, tp_rank: int = 0, ring_bytes: int = 64 << 20,
         socket: str | None = None, name: str = "", lease_ms: int = 0, cuda_ring: dict[str, Any] | None = None,
         map_pool: bool = True, call_timeout: float = 10.0, ring_tensor: Any = None,
         zero_copy: bool = False, kv_device: str = "", pin_host: bool = False, tls: Tls | None = None,
+        claim_slots: bool = True,
     ) -> Any:
+        """claim_slots (prefill engines): cut slots out of the ring in the client, with no call,
+        where the daemon allows it (see ClaimRing)."""
         self = cls(socket=socket, call_timeout=call_timeout, tls=tls)
         self.layout = layout
         # kv_device="cuda:N": the daemon says which staging is fast there, a GPU ring or a pinned host ring.
@@ -81,13 +88,15 @@ class _AsyncEngineClient:
         if ring_tensor is not None and cuda_ring is None:
             cuda_ring = export_ring(ring_tensor)
         req = register_request(
-            self.role, group, layout, tp_size, tp_rank, ring_bytes, name, lease_ms, cuda_ring, zero_copy=zero_copy
+            self.role, group, layout, tp_size, tp_rank, ring_bytes, name, lease_ms, cuda_ring, zero_copy=zero_copy,
+            claim_slots=claim_slots and self.role == engine_pb2.ROLE_PREFILL,
         )
         deadline = time.monotonic() + RING_READY_TIMEOUT_S
         reply = await self._call(self.stub.RegisterEngine, req)
         while still_pending(req, reply, deadline):
             reply = await self._call(self.stub.RegisterEngine, req)
         self.reg = registration(reply)
+        self._registered()
         if self.reg.lane_socket:
             self.stub.lane = AioLane(self.reg.lane_socket)
         if map_pool and cuda_ring is None:
@@ -213,11 +222,22 @@ class AsyncPrefillSender(_AsyncEngineClient):
         # `spare.enabled = False` to turn that off. Two are held for enqueue(wait=False).
         self.spare = SpareSlot(True, depth=2)
         self._verdicts = Verdicts(self.spare)
+        self.claims: ClaimRing | None = None
+
+    def _registered(self) -> None:
+        assert self.reg is not None
+        if self.reg.claim_slots:
+            self.claims = ClaimRing(self.reg.ring_bytes, self.reg.slot_align, self.reg.token_bytes)
+            self._verdicts.claims = self.claims
+            self.spare.enabled = False
 
     async def acquire(self, num_tokens: int, timeout: float = 30.0) -> Slot:
-        """A slot for `num_tokens` tokens; while the ring is full the daemon holds the call until
-        a transfer frees one (no polling), up to `timeout`."""
+        """A slot for `num_tokens` tokens: with claimed slots cut out of the ring here, else a
+        spare or AcquireSlot; while the ring is full the daemon holds an AcquireSlot call until
+        a transfer frees space (no polling), up to `timeout`."""
         await self._settle_deferred()
+        if self.claims is not None:
+            return await self._cut(self.claims, num_tokens, timeout)
         spare, stale = self.spare.take(num_tokens)
         if stale is not None:
             await self._release_all([stale])
@@ -233,7 +253,27 @@ class AsyncPrefillSender(_AsyncEngineClient):
                 if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() >= deadline:
                     raise
 
+    async def _cut(self, claims: ClaimRing, num_tokens: int, timeout: float) -> Slot:
+        slot = claims.cut(num_tokens)
+        deadline = time.monotonic() + timeout
+        while slot is None:
+            # The daemon holds this call until it let go of a claim (no polling).
+            req = claims.wait_request(acquire_request(self.engine_id, num_tokens, deadline, self._timeout))
+            try:
+                reply = await self._call(self.stub.AcquireSlot, req, timeout=req.wait_ms / 1000 + self._timeout)
+            except KvxferError as exc:
+                claims.retry_or_raise(exc, deadline)
+                continue
+            slot = claims.freed_then_cut(reply.freed_claims, num_tokens)
+        return slot
+
     async def release_slot(self, slot: Slot) -> None:
+        """Gives back a slot never enqueued (or whose chunk was refused); a claimed one with no call."""
+        if slot.claim:
+            if self.claims is None:
+                raise KvxferError(grpc.StatusCode.FAILED_PRECONDITION, "this client cuts no slots of its own")
+            self.claims.release(slot.claim)
+            return
         await self._call(self.stub.ReleaseSlot, engine_pb2.ReleaseSlotRequest(
             engine_id=self.engine_id, slot=common_pb2.Slot(offset=slot.offset, length=slot.length)))
 
@@ -266,6 +306,19 @@ class AsyncPrefillSender(_AsyncEngineClient):
         await self._settle_deferred()
         req = chunk_request(self.engine_id, c)
         lane = self.stub.lane
+        claims = self.claims
+        claim = slot.claim if slot is not None and claims is not None else 0
+        if claim:
+            claims.sent(claim)  # type: ignore[union-attr]
+            try:
+                await self._enqueue(c, req, lane, wait)
+            except BaseException as exc:
+                claims.failed(claim, exc)  # type: ignore[union-attr]
+                raise
+            return
+        await self._enqueue(c, req, lane, wait)
+
+    async def _enqueue(self, c: Chunk, req: engine_pb2.EnqueueChunkRequest, lane: Any, wait: bool) -> None:
         if not wait and isinstance(lane, AioLane):
             # send_deferred raises only when nothing was sent (then the ask is settled here);
             # once sent, the verdict or the connection's loss reaches on_reply instead.
@@ -277,7 +330,9 @@ class AsyncPrefillSender(_AsyncEngineClient):
             return
         with self.spare.asking(req, depth=1) as asked:
             reply = await self._call(self.stub.EnqueueChunk, req)
-        extra = self.spare.keep(reply, num_tokens, asked)
+        if req.claim:
+            self.claims.verdict(req.claim, True, reply.freed_claims)  # type: ignore[union-attr]
+        extra = self.spare.keep(reply, c.num_tokens, asked)
         if extra is not None:
             await self.release_slot(extra)
 
@@ -319,8 +374,20 @@ class AsyncPrefillSender(_AsyncEngineClient):
         await super().close(unregister)
 
     async def enqueue_many(self, chunks: list[Chunk]) -> list[KvxferError | None]:
-        reply = await self._call(self.stub.EnqueueChunks, chunks_request(self.engine_id, chunks))
-        return enqueue_results(reply)
+        claims = self.claims
+        if claims is None:
+            return enqueue_results(await self._call(self.stub.EnqueueChunks, chunks_request(self.engine_id, chunks)))
+        tags, errors, send = split_batch(claims, chunks)
+        if send == []:
+            return errors
+        try:
+            reply = await self._call(self.stub.EnqueueChunks, chunks_request(
+                self.engine_id, chunks if send is None else [chunks[i] for i in send]))
+        except BaseException as exc:
+            merge_batch(claims, tags, errors, send, exc)
+            raise
+        freed = reply.results[0].freed_claims if reply.results else ()
+        return merge_batch(claims, tags, errors, send, enqueue_results(reply), freed)
 
     async def send_chunk(
         self, room: int, chunk_id: int, token_start: int, num_tokens: int, data: bytes | memoryview,

@@ -219,6 +219,8 @@ class Slot:
     offset: int
     length: int
     chunk_bytes: int
+    # The client's tag for a slot it cut out of the ring itself (claimed slots); 0: from the daemon.
+    claim: int = 0
 
 
 @dataclass(frozen=True)
@@ -291,16 +293,20 @@ class Registration:
     extra: dict[str, Any] = field(default_factory=dict)
     pool_socket: str = ""
     lane_socket: str = ""
+    claim_slots: bool = False
+    token_bytes: int = 0
+    slot_align: int = 0
 
 
 def register_request(
     role: int, group: str, layout: Layout, tp_size: int, tp_rank: int, ring_bytes: int, name: str,
     lease_ms: int, cuda_ring: dict[str, Any] | None, pp_size: int = 1, pp_rank: int = 0, zero_copy: bool = False,
+    claim_slots: bool = False,
 ) -> engine_pb2.RegisterEngineRequest:
     req = engine_pb2.RegisterEngineRequest(
         role=engine_pb2.Role.ValueType(role), group=group, layout=layout.to_pb(),
         parallel=common_pb2.Parallelism(tp_size=tp_size, tp_rank=tp_rank, pp_size=pp_size, pp_rank=pp_rank),
-        ring_bytes=ring_bytes, lease_ms=lease_ms, name=name, zero_copy=zero_copy,
+        ring_bytes=ring_bytes, lease_ms=lease_ms, name=name, zero_copy=zero_copy, claim_slots=claim_slots,
     )
     if cuda_ring is not None:
         req.cuda_ring.CopyFrom(engine_pb2.CudaIpcRing(**cuda_ring))
@@ -330,7 +336,8 @@ def registration(reply: engine_pb2.RegisterEngineReply) -> Registration:
         engine_id=reply.engine_id, pool_path=reply.pool_path, pool_bytes=reply.pool_bytes,
         ring_offset=reply.ring_offset, ring_bytes=reply.ring_bytes, lease_ms=reply.lease_ms,
         daemon_id=reply.daemon_id, peer_address=reply.peer_address, pool_socket=reply.pool_socket,
-        lane_socket=reply.lane_socket,
+        lane_socket=reply.lane_socket, claim_slots=reply.claim_slots, token_bytes=reply.token_bytes,
+        slot_align=reply.slot_align,
     )
 
 
@@ -465,6 +472,8 @@ def fill_chunk(req: engine_pb2.EnqueueChunkRequest, engine_id: str, c: Chunk) ->
     if c.slot is not None:
         slot = req.slot
         slot.offset, slot.length = c.slot.offset, c.slot.length
+        if c.slot.claim:
+            req.claim = c.slot.claim
     return req
 
 

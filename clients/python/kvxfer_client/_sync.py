@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -9,6 +10,7 @@ from typing import Any
 
 import grpc
 
+from kvxfer_client._claims import ClaimRing, merge_batch, split_batch
 from kvxfer_client._common import (
     MAX_BATCH_CHUNKS,
     PIPELINE_PART,
@@ -106,6 +108,7 @@ class _EngineClient:
         socket: str | None = None, name: str = "", lease_ms: int = 0, cuda_ring: dict[str, Any] | None = None,
         map_pool: bool = True, call_timeout: float = 10.0, ring_tensor: Any = None,
         zero_copy: bool = False, kv_device: str = "", pin_host: bool = False, tls: Tls | None = None,
+        claim_slots: bool = False,
     ) -> None:
         self._channel = sync_channel(socket, tls)
         self.stub = RoutedStub(engine_pb2_grpc.EngineStub(self._channel))
@@ -124,7 +127,8 @@ class _EngineClient:
         self.layout = layout
         self.tp_size, self.tp_rank = tp_size, tp_rank
         req = register_request(
-            self.role, group, layout, tp_size, tp_rank, ring_bytes, name, lease_ms, cuda_ring, zero_copy=zero_copy
+            self.role, group, layout, tp_size, tp_rank, ring_bytes, name, lease_ms, cuda_ring, zero_copy=zero_copy,
+            claim_slots=claim_slots,
         )
         deadline = time.monotonic() + RING_READY_TIMEOUT_S
         reply = self._call(self.stub.RegisterEngine, req)
@@ -244,17 +248,27 @@ class PrefillSender(_EngineClient):
 
     role = engine_pb2.ROLE_PREFILL
 
-    def __init__(self, *, prefetch_slots: bool = True, **kwargs: Any) -> None:
-        """prefetch_slots: each enqueue() also asks for a next slot, of the same size (see SpareSlot)."""
+    def __init__(self, *, prefetch_slots: bool = True, claim_slots: bool = True, **kwargs: Any) -> None:
+        """claim_slots: cut slots out of the ring here, with no call (see ClaimRing), where the
+        daemon allows it (a slot ring; an older daemon does not know it). Else, prefetch_slots:
+        each enqueue() also asks for a next slot, of the same size (see SpareSlot)."""
         self.spare = SpareSlot(prefetch_slots, depth=2)
         self._verdicts = Verdicts(self.spare)
-        super().__init__(**kwargs)
+        super().__init__(claim_slots=claim_slots and not kwargs.get("zero_copy", False), **kwargs)
+        self.claims: ClaimRing | None = None
+        if self.reg.claim_slots:
+            self.claims = ClaimRing(self.reg.ring_bytes, self.reg.slot_align, self.reg.token_bytes)
+            self._verdicts.claims = self.claims
+            self.spare.enabled = False
 
     def acquire(self, num_tokens: int, timeout: float = 30.0) -> Slot:
-        """A slot for `num_tokens` tokens: a spare one in hand (verdicts already here are read
-        first, without waiting), else AcquireSlot; while the ring is full the daemon holds that
-        call until a transfer frees one (no polling), up to `timeout`."""
+        """A slot for `num_tokens` tokens. With claimed slots: cut out of the ring here (the
+        verdicts already here are read first, without waiting: they say which slots the daemon
+        let go of); while none fits, the daemon holds an AcquireSlot call until one comes free.
+        Else a spare one in hand, or AcquireSlot. Either way no polling, up to `timeout`."""
         self._settle_deferred()
+        if self.claims is not None:
+            return self._cut(num_tokens, timeout)
         spare, stale = self.spare.take(num_tokens)
         if stale is not None:
             self._release_all([stale])
@@ -270,7 +284,30 @@ class PrefillSender(_EngineClient):
                 if exc.code != _RETRYABLE_FULL or time.monotonic() >= deadline:
                     raise
 
+    def _cut(self, num_tokens: int, timeout: float) -> Slot:
+        claims = self.claims
+        assert claims is not None
+        slot = claims.cut(num_tokens)
+        deadline = time.monotonic() + timeout
+        while slot is None:
+            # The daemon holds this call until it let go of a claim (no polling).
+            req = claims.wait_request(acquire_request(self.engine_id, num_tokens, deadline, self._timeout))
+            try:
+                reply = self._call(self.stub.AcquireSlot, req, timeout=req.wait_ms / 1000 + self._timeout)
+            except KvxferError as exc:
+                claims.retry_or_raise(exc, deadline)
+                continue
+            slot = claims.freed_then_cut(reply.freed_claims, num_tokens)
+        return slot
+
     def release_slot(self, slot: Slot) -> None:
+        """Gives back a slot never enqueued (or whose chunk was refused). A claimed slot goes
+        back here, with no call."""
+        if slot.claim:
+            if self.claims is None:
+                raise KvxferError(grpc.StatusCode.FAILED_PRECONDITION, "this client cuts no slots of its own")
+            self.claims.release(slot.claim)
+            return
         self._call(self.stub.ReleaseSlot, engine_pb2.ReleaseSlotRequest(
             engine_id=self.engine_id, slot=common_pb2.Slot(offset=slot.offset, length=slot.length)))
 
@@ -309,18 +346,38 @@ class PrefillSender(_EngineClient):
         self._settle_deferred()
         req = chunk_request(self.engine_id, c)
         lane = self.stub.lane
+        claim = slot.claim if slot is not None and self.claims is not None else 0
+        if claim:
+            self.claims.sent(claim)  # type: ignore[union-attr]
         if not wait and isinstance(lane, SyncLane):
             # send_deferred raises only when nothing was sent (then the ask is settled here);
             # once sent, the verdict or the connection's loss reaches on_reply instead.
-            with self.spare.asking(req) as asked:
+            with self.spare.asking(req) as asked, self._unsent_on_raise(claim):
                 lane.send_deferred("EnqueueChunk", req, lambda got: self._verdicts.on_reply(c, asked, got),
                                    self._timeout)
             return
         with self.spare.asking(req, depth=1) as asked:
-            reply = self._call(self.stub.EnqueueChunk, req)
+            try:
+                reply = self._call(self.stub.EnqueueChunk, req)
+            except BaseException as exc:
+                if claim:
+                    self.claims.failed(claim, exc)  # type: ignore[union-attr]
+                raise
+        if claim:
+            self.claims.verdict(claim, True, reply.freed_claims)  # type: ignore[union-attr]
         extra = self.spare.keep(reply, num_tokens, asked)
         if extra is not None:
             self.release_slot(extra)
+
+    @contextlib.contextmanager
+    def _unsent_on_raise(self, claim: int) -> Iterator[None]:
+        """Around a deferred send: one that raises sent nothing, and the claim stays the engine's."""
+        try:
+            yield
+        except BaseException:
+            if claim:
+                self.claims.unsent(claim)  # type: ignore[union-attr]
+            raise
 
     def flush(self, timeout: float | None = None) -> list[ChunkRefused]:
         """Waits for the daemon's verdict on every chunk this thread sent with enqueue(wait=False)
@@ -378,18 +435,39 @@ class PrefillSender(_EngineClient):
         if len(chunks) > MAX_BATCH_CHUNKS:
             raise KvxferError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"at most {MAX_BATCH_CHUNKS} chunks per call, got {len(chunks)}")
+        claims = self.claims
+        if claims is None:
+            return self._enqueue_batch(chunks, lane)
+        tags, errors, send = split_batch(claims, chunks)
+        try:
+            got = self._enqueue_batch(chunks if send is None else [chunks[i] for i in send], lane) if send != [] else []
+        except BaseException as exc:
+            merge_batch(claims, tags, errors, send, exc)
+            raise
+        return merge_batch(claims, tags, errors, send, got)
+
+    def _enqueue_batch(self, chunks: Sequence[Chunk], lane: Any) -> list[KvxferError | None]:
         if not isinstance(lane, SyncLane) or len(chunks) < 2 * PIPELINE_PART:
             reply = self._call(self.stub.EnqueueChunks, chunks_request(self.engine_id, chunks))
+            self._batch_freed([reply])
             return enqueue_results(reply)
         eid = self.engine_id
         parts = [chunks[i:i + PIPELINE_PART] for i in range(0, len(chunks), PIPELINE_PART)]
         replies = lane.call_pipelined("EnqueueChunks", (
             chunks_request(eid, part) for part in parts
         ), self._timeout)
+        self._batch_freed(replies)
         out: list[KvxferError | None] = []
         for part, reply in zip(parts, replies, strict=True):
             out += [reply] * len(part) if isinstance(reply, KvxferError) else enqueue_results(reply)
         return out
+
+    def _batch_freed(self, replies: Sequence[Any]) -> None:
+        """The claims the daemon let go of, which a batch reply carries in its first result."""
+        if self.claims is not None:
+            for reply in replies:
+                if not isinstance(reply, KvxferError) and reply.results and reply.results[0].freed_claims:
+                    self.claims.freed(reply.results[0].freed_claims)
 
     def send_chunk(
         self, room: int, chunk_id: int, token_start: int, num_tokens: int, data: bytes | memoryview,

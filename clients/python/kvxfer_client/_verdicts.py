@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from kvxfer_client._claims import ClaimRing
 from kvxfer_client._common import Chunk, ChunkRefused, KvxferError, SpareSlot
 
 
@@ -14,10 +15,17 @@ class Verdicts:
         self._spare = spare
         self._lock = threading.Lock()  # the blocking client reads verdicts on any of its threads
         self._refused: list[ChunkRefused] = []  # oldest first
+        self.claims: ClaimRing | None = None  # set once the engine is registered with claimed slots
 
     def on_reply(self, c: Chunk, asked: bool, got: Any) -> None:
         """The daemon's reply to chunk `c` (or the KvxferError that stands for it); `asked`: its
         request asked for a spare slot."""
+        claims = self.claims
+        if claims is not None and c.slot is not None and c.slot.claim:
+            if isinstance(got, KvxferError):
+                claims.failed(c.slot.claim, got)
+            else:
+                claims.verdict(c.slot.claim, True, got.freed_claims)
         if isinstance(got, KvxferError):
             if asked:
                 self._spare.settle()
@@ -34,6 +42,8 @@ class Verdicts:
         refusal stands (the room's events say whether the chunk went in), but a slot the daemon
         handed out with it is the engine's, so it goes back with the next call."""
         if not isinstance(got, KvxferError):
+            if self.claims is not None:
+                self.claims.freed(got.freed_claims)
             self._spare.late(got)
 
     def take(self) -> list[ChunkRefused]:

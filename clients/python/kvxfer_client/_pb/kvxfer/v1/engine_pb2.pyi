@@ -30,7 +30,7 @@ class CudaIpcRing(_message.Message):
     def __init__(self, handle: _Optional[bytes] = ..., device_uuid: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
 
 class RegisterEngineRequest(_message.Message):
-    __slots__ = ("role", "group", "layout", "parallel", "ring_bytes", "cuda_ring", "lease_ms", "name", "zero_copy", "accept_pending", "registration_id")
+    __slots__ = ("role", "group", "layout", "parallel", "ring_bytes", "cuda_ring", "lease_ms", "name", "zero_copy", "accept_pending", "registration_id", "claim_slots")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class RegisterEngineRequest(_message.Message):
     ZERO_COPY_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_PENDING_FIELD_NUMBER: _ClassVar[int]
     REGISTRATION_ID_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     role: Role
     group: str
     layout: _common_pb2.KVLayout
@@ -53,10 +54,11 @@ class RegisterEngineRequest(_message.Message):
     zero_copy: bool
     accept_pending: bool
     registration_id: str
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., group: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., parallel: _Optional[_Union[_common_pb2.Parallelism, _Mapping]] = ..., ring_bytes: _Optional[int] = ..., cuda_ring: _Optional[_Union[CudaIpcRing, _Mapping]] = ..., lease_ms: _Optional[int] = ..., name: _Optional[str] = ..., zero_copy: _Optional[bool] = ..., accept_pending: _Optional[bool] = ..., registration_id: _Optional[str] = ...) -> None: ...
+    claim_slots: bool
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., group: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., parallel: _Optional[_Union[_common_pb2.Parallelism, _Mapping]] = ..., ring_bytes: _Optional[int] = ..., cuda_ring: _Optional[_Union[CudaIpcRing, _Mapping]] = ..., lease_ms: _Optional[int] = ..., name: _Optional[str] = ..., zero_copy: _Optional[bool] = ..., accept_pending: _Optional[bool] = ..., registration_id: _Optional[str] = ..., claim_slots: _Optional[bool] = ...) -> None: ...
 
 class RegisterEngineReply(_message.Message):
-    __slots__ = ("engine_id", "pool_path", "pool_bytes", "ring_offset", "ring_bytes", "lease_ms", "daemon_id", "peer_address", "pending", "registration_id", "pool_socket", "lane_socket")
+    __slots__ = ("engine_id", "pool_path", "pool_bytes", "ring_offset", "ring_bytes", "lease_ms", "daemon_id", "peer_address", "pending", "registration_id", "pool_socket", "lane_socket", "claim_slots", "token_bytes", "slot_align")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_PATH_FIELD_NUMBER: _ClassVar[int]
     POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +71,9 @@ class RegisterEngineReply(_message.Message):
     REGISTRATION_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_SOCKET_FIELD_NUMBER: _ClassVar[int]
     LANE_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SLOT_ALIGN_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     pool_path: str
     pool_bytes: int
@@ -81,7 +86,10 @@ class RegisterEngineReply(_message.Message):
     registration_id: str
     pool_socket: str
     lane_socket: str
-    def __init__(self, engine_id: _Optional[str] = ..., pool_path: _Optional[str] = ..., pool_bytes: _Optional[int] = ..., ring_offset: _Optional[int] = ..., ring_bytes: _Optional[int] = ..., lease_ms: _Optional[int] = ..., daemon_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., pending: _Optional[bool] = ..., registration_id: _Optional[str] = ..., pool_socket: _Optional[str] = ..., lane_socket: _Optional[str] = ...) -> None: ...
+    claim_slots: bool
+    token_bytes: int
+    slot_align: int
+    def __init__(self, engine_id: _Optional[str] = ..., pool_path: _Optional[str] = ..., pool_bytes: _Optional[int] = ..., ring_offset: _Optional[int] = ..., ring_bytes: _Optional[int] = ..., lease_ms: _Optional[int] = ..., daemon_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., pending: _Optional[bool] = ..., registration_id: _Optional[str] = ..., pool_socket: _Optional[str] = ..., lane_socket: _Optional[str] = ..., claim_slots: _Optional[bool] = ..., token_bytes: _Optional[int] = ..., slot_align: _Optional[int] = ...) -> None: ...
 
 class UnregisterEngineRequest(_message.Message):
     __slots__ = ("engine_id",)
@@ -106,22 +114,28 @@ class KeepAliveReply(_message.Message):
     def __init__(self, lease_ms: _Optional[int] = ...) -> None: ...
 
 class AcquireSlotRequest(_message.Message):
-    __slots__ = ("engine_id", "num_tokens", "wait_ms")
+    __slots__ = ("engine_id", "num_tokens", "wait_ms", "claims", "held_claims")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    CLAIMS_FIELD_NUMBER: _ClassVar[int]
+    HELD_CLAIMS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     num_tokens: int
     wait_ms: int
-    def __init__(self, engine_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+    claims: bool
+    held_claims: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, engine_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., wait_ms: _Optional[int] = ..., claims: _Optional[bool] = ..., held_claims: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AcquireSlotReply(_message.Message):
-    __slots__ = ("slot", "chunk_bytes")
+    __slots__ = ("slot", "chunk_bytes", "freed_claims")
     SLOT_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FREED_CLAIMS_FIELD_NUMBER: _ClassVar[int]
     slot: _common_pb2.Slot
     chunk_bytes: int
-    def __init__(self, slot: _Optional[_Union[_common_pb2.Slot, _Mapping]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+    freed_claims: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, slot: _Optional[_Union[_common_pb2.Slot, _Mapping]] = ..., chunk_bytes: _Optional[int] = ..., freed_claims: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseSlotRequest(_message.Message):
     __slots__ = ("engine_id", "slot")
@@ -160,7 +174,7 @@ class ExpectRoomReply(_message.Message):
     def __init__(self, state: _Optional[_Union[_common_pb2.RoomState, str]] = ...) -> None: ...
 
 class EnqueueChunkRequest(_message.Message):
-    __slots__ = ("engine_id", "room", "chunk_id", "token_start", "num_tokens", "slot", "last", "aux", "pages", "next_tokens")
+    __slots__ = ("engine_id", "room", "chunk_id", "token_start", "num_tokens", "slot", "last", "aux", "pages", "next_tokens", "claim")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ROOM_FIELD_NUMBER: _ClassVar[int]
     CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +185,7 @@ class EnqueueChunkRequest(_message.Message):
     AUX_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     room: _common_pb2.RoomKey
     chunk_id: int
@@ -181,19 +196,22 @@ class EnqueueChunkRequest(_message.Message):
     aux: bytes
     pages: _containers.RepeatedScalarFieldContainer[int]
     next_tokens: int
-    def __init__(self, engine_id: _Optional[str] = ..., room: _Optional[_Union[_common_pb2.RoomKey, _Mapping]] = ..., chunk_id: _Optional[int] = ..., token_start: _Optional[int] = ..., num_tokens: _Optional[int] = ..., slot: _Optional[_Union[_common_pb2.Slot, _Mapping]] = ..., last: _Optional[bool] = ..., aux: _Optional[bytes] = ..., pages: _Optional[_Iterable[int]] = ..., next_tokens: _Optional[int] = ...) -> None: ...
+    claim: int
+    def __init__(self, engine_id: _Optional[str] = ..., room: _Optional[_Union[_common_pb2.RoomKey, _Mapping]] = ..., chunk_id: _Optional[int] = ..., token_start: _Optional[int] = ..., num_tokens: _Optional[int] = ..., slot: _Optional[_Union[_common_pb2.Slot, _Mapping]] = ..., last: _Optional[bool] = ..., aux: _Optional[bytes] = ..., pages: _Optional[_Iterable[int]] = ..., next_tokens: _Optional[int] = ..., claim: _Optional[int] = ...) -> None: ...
 
 class EnqueueChunkReply(_message.Message):
-    __slots__ = ("code", "message", "next_slot", "next_chunk_bytes")
+    __slots__ = ("code", "message", "next_slot", "next_chunk_bytes", "freed_claims")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     NEXT_SLOT_FIELD_NUMBER: _ClassVar[int]
     NEXT_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FREED_CLAIMS_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
     next_slot: _common_pb2.Slot
     next_chunk_bytes: int
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., next_slot: _Optional[_Union[_common_pb2.Slot, _Mapping]] = ..., next_chunk_bytes: _Optional[int] = ...) -> None: ...
+    freed_claims: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., next_slot: _Optional[_Union[_common_pb2.Slot, _Mapping]] = ..., next_chunk_bytes: _Optional[int] = ..., freed_claims: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EnqueueChunksRequest(_message.Message):
     __slots__ = ("chunks",)
