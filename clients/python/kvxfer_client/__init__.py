@@ -19,7 +19,8 @@ from kvxfer_client._common import (
     Tls,
     default_socket,
 )
-from kvxfer_client._sync import DecodeReceiver, PrefillSender, daemon_status
+from kvxfer_client._sync import DecodeReceiver, daemon_status
+from kvxfer_client._sync_prefill import PrefillSender
 
 __version__ = "0.1.0"
 

@@ -25,9 +25,7 @@ from kvxfer_client._common import (
     RoomState,
     RoomStatus,
     Slot,
-    SpareSlot,
     Tls,
-    acquire_request,
     aio_channel,
     bytes_tensor,
     chunk_request,
@@ -45,6 +43,7 @@ from kvxfer_client._common import (
 )
 from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from kvxfer_client._pinned import check_can_pin, gpu_ring_for
+from kvxfer_client._spare import SpareSlot, acquire_request
 from kvxfer_client._stub import RoutedStub
 from kvxfer_client._verdicts import Verdicts
 

@@ -7,7 +7,8 @@ import threading
 from typing import Any
 
 from kvxfer_client._claims import ClaimRing
-from kvxfer_client._common import Chunk, ChunkRefused, KvxferError, SpareSlot
+from kvxfer_client._common import Chunk, ChunkRefused, KvxferError
+from kvxfer_client._spare import SpareSlot
 
 
 class Verdicts:

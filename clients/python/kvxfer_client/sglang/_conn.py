@@ -38,7 +38,8 @@ from sglang.srt.disaggregation.base.conn import (
 )
 
 from kvxfer_client._common import ChunkRefused, KvxferError, Landed, Layout, RoomEvent, RoomState
-from kvxfer_client._sync import DecodeReceiver, PrefillSender
+from kvxfer_client._sync import DecodeReceiver
+from kvxfer_client._sync_prefill import PrefillSender
 from kvxfer_client.sglang._pages import PagedBuffers, dtype_bytes, wrap
 from kvxfer_client.sglang._watch import RESYNC_S, RoomView, RoomWatch
 

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvxfer_client._common import ChunkRefused, KvxferError, Landed, Layout, RoomEvent, RoomState
-from kvxfer_client._sync import DecodeReceiver, PrefillSender
+from kvxfer_client._sync import DecodeReceiver
+from kvxfer_client._sync_prefill import PrefillSender
 from kvxfer_client.vllm import _paged
 from kvxfer_client.vllm._config import LoadSpec, SendChunk, Settings, StepPlan
 
