@@ -163,6 +163,10 @@ class Config:
     insecure_peers: bool = False
     # Peer-side caps: refused with RESOURCE_EXHAUSTED, shown in status and kvxferd_cap_* metrics.
     max_peers: int = 256
+    # A peer down this long, not in `peers`, is forgotten (its entries go and it is no longer
+    # dialed): daemons come and go (a pod's new name is a new daemon id), and the table must not
+    # fill up with those that left. A new peer at max_peers evicts one down that long already.
+    peer_forget_s: float = 600.0
     max_pending_handshakes: int = 16
     max_peer_metadata_bytes: int = 1 << 20
     max_peer_batch_msgs: int = PEER_BATCH_MSGS
@@ -267,6 +271,10 @@ class Config:
             raise ConfigError(f"peer_secret_overlap_s must be 0..86400, got {self.peer_secret_overlap_s}")
         if not 1 <= self.max_peers <= 65536:
             raise ConfigError(f"max_peers must be 1..65536, got {self.max_peers}")
+        limit = self.heartbeat_misses * self.heartbeat_interval_s
+        if not limit <= self.peer_forget_s <= 7 * 86400:
+            raise ConfigError(f"peer_forget_s must be heartbeat_misses x heartbeat_interval_s ({limit:g})"
+                              f"..604800, got {self.peer_forget_s}")
         if not 1 <= self.max_pending_handshakes <= 4096:
             raise ConfigError(f"max_pending_handshakes must be 1..4096, got {self.max_pending_handshakes}")
         # A handshake is a gRPC request too: max_message_bytes bounds it whatever this says.

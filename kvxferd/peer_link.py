@@ -20,7 +20,7 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Any
 
 import grpc
@@ -133,6 +133,8 @@ class PeerLink:
         self.metadata = b""  # the NIXL metadata loaded for agent_name
         self.is_self = False
         self.up = False
+        # When it went down (or was made, never up yet): forgotten after peer_forget_s.
+        self.down_since = time.monotonic()
         # Identity.md_epoch our last handshake carried: memory registered since is unknown to the
         # peer's NIXL agent until we send our metadata again.
         self.md_epoch_sent = -1
@@ -397,3 +399,24 @@ class PeerLink:
         self.detach()
         await self.channel.close()
 
+
+def forget(by_address: dict[str, PeerLink], by_id: dict[str, PeerLink], next_dial: dict[str, Any], now: float,
+           after_s: float, static: Collection[str]) -> list[PeerLink]:
+    """Takes the links nobody needs any more out of the peer tables (down for after_s, not being
+    dialed, not a configured peer) and returns them, for closing. What their rooms and credits
+    were is settled already: the loss failed the rooms, and credits are revoked (ours, granted to
+    the peer, stay quarantined by the ledger, which keeps its own reference to the link)."""
+    def stale(h: PeerLink) -> bool:
+        return (not h.up and not h.is_self and not h.dialing and not h.lock.locked()
+                and h.address not in static and now - h.down_since >= after_s)
+
+    gone: dict[int, PeerLink] = {}
+    for table in (by_address, by_id):
+        for key, h in list(table.items()):
+            if stale(h):
+                del table[key]
+                next_dial.pop(key, None)
+                gone[id(h)] = h
+    for h in gone.values():
+        logger.info("peer %s (%s) forgotten: down for %.0f s", h.daemon_id or "?", h.address, now - h.down_since)
+    return list(gone.values())

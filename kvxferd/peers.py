@@ -29,7 +29,16 @@ from kvxferd.metrics import Metrics
 from kvxferd.peer_auth import Binding, PeerAuth, PeerCreds, Proof
 from kvxferd.peer_dispatch import PeerInbox, dispatch
 from kvxferd.peer_limits import PeerLimits, PeerStatus
-from kvxferd.peer_link import CONTROL_TIMEOUT_S, PeerLink, Session, TieBreak, lost_tie_break, proof_of, proof_pb
+from kvxferd.peer_link import (
+    CONTROL_TIMEOUT_S,
+    PeerLink,
+    Session,
+    TieBreak,
+    forget,
+    lost_tie_break,
+    proof_of,
+    proof_pb,
+)
 from kvxferd.peer_wire import refused as _refused
 from kvxferd.ports import Identity, Link
 from kvxferd.transport import Transport
@@ -251,6 +260,8 @@ class PeerManager:
         known = self._by_address.get(ref.address)
         if known is not None and known.up and known.daemon_id and known.daemon_id != ref.daemon_id:
             raise PermissionDenied(f"{ref.address} belongs to daemon {known.daemon_id!r}, which is up")
+        if ref.daemon_id not in self._by_id and len(self._by_id) >= self.config.max_peers:
+            self._forget(time.monotonic(), self._limit)  # at the cap: make room from peers long down
         self.limits.new_peer(ref.daemon_id not in self._by_id, known is None)
         h = self.link(ref.address)
         try:
@@ -381,6 +392,7 @@ class PeerManager:
         if not h.up:
             return
         h.up = False
+        h.down_since = time.monotonic()
         self._lose_session(h, reason)
         if h.agent_name and not h.is_self:
             name, h.agent_name = h.agent_name, ""
@@ -469,13 +481,19 @@ class PeerManager:
                         h.window.sweep(now)
                 except Exception:
                     logger.exception("peer %s (%s): liveness check failed", h.daemon_id, h.address)
+            self._forget(now, self.config.peer_forget_s)
             # Static peers, and peers we lost, are dialed again until they answer (backing off to
-            # 4 intervals): a restarted peer is up again, with its new metadata, before the next room.
+            # 4 intervals) or are forgotten: a restarted peer is up again before the next room.
             for addr in {*self.config.peers, *(h.address for h in self._by_address.values() if h.daemon_id)}:
                 try:
                     self._redial(addr, now, interval)
                 except Exception:
                     logger.exception("peer %s: redial failed", addr)
+
+    def _forget(self, now: float, after_s: float) -> None:
+        for h in forget(self._by_address, self._by_id, self._next_dial, now, after_s, self.config.peers):
+            self._spawn(h.close(), f"close forgotten link {h.address}")
+        self._refresh()
 
     def _redial(self, addr: str, now: float, interval: float) -> None:
         h = self.link(addr)

@@ -541,3 +541,61 @@ async def test_a_held_stream_sends_nothing_before_the_peer_speaks_and_a_drop_kee
         assert link.silent(t + 50.0, 2.0, 5.0) == ""
     finally:
         await link.close()
+
+
+# ---------------------------------------------------------------------------- 5: peers that left are forgotten
+
+
+async def test_a_peer_down_for_peer_forget_s_is_forgotten_and_no_longer_dialed(inproc: Any) -> None:
+    # heartbeat 0.5 s x 2 misses: peer_forget_s may be as short as 1 s.
+    a = await inproc("fa", transport="local", peer_forget_s=1.5)
+    b = await inproc("fb", transport="local")
+    pa = manager(a)
+    h = await pa.connect(b.peer_address)
+    assert h.up and pa.known("fb") is h
+    b.stop.set()
+    await asyncio.wait_for(b.task, 30)
+    await until(lambda: not h.up, 5, "fb lost")
+    assert pa.known("fb") is h  # still known (and redialed) while it may come back
+    t_lost = time.monotonic()
+    await until(lambda: pa.known("fb") is None and pa.by_address(b.peer_address) is None, 5, "fb forgotten")
+    assert time.monotonic() - t_lost >= 1.0  # not before peer_forget_s (less the liveness pass's step)
+    assert b.peer_address not in pa._next_dial  # and it is no longer dialed
+    await asyncio.sleep(0.5)
+    assert pa.by_address(b.peer_address) is None
+    assert next(c for c in pa.status().caps if c.name == "peers").used == 0
+
+
+async def test_a_configured_peer_is_never_forgotten(inproc: Any) -> None:
+    b = await inproc("sb", transport="local")
+    a = await inproc("sa", transport="local", peer_forget_s=1.0, peers=[b.peer_address])
+    pa = manager(a)
+    await until(lambda: pa.known("sb") is not None and pa.known("sb").up, 10, "sb dialed")  # type: ignore[union-attr]
+    b.stop.set()
+    await asyncio.wait_for(b.task, 30)
+    await until(lambda: not pa.known("sb").up, 5, "sb lost")  # type: ignore[union-attr]
+    await asyncio.sleep(2.0)
+    assert pa.known("sb") is not None and pa.by_address(b.peer_address) is not None
+
+
+async def test_a_new_peer_at_max_peers_evicts_one_long_down(inproc: Any) -> None:
+    a = await inproc("ma", transport="local", max_peers=1)
+    b = await inproc("mb", transport="local")
+    c = await inproc("mc", transport="local")
+    pa, pb, pc = manager(a), manager(b), manager(c)
+    await pb.connect(a.peer_address)
+    await until(lambda: pa.known("mb") is not None and pa.known("mb").up, 5, "mb up at ma")  # type: ignore[union-attr]
+    hb = pa.known("mb")
+    assert hb is not None
+    # At the cap with mb up: mc's handshake is refused.
+    with pytest.raises(Exception) as err:
+        await pc.connect(a.peer_address)
+    assert "peers" in str(err.value), err.value
+    b.stop.set()
+    await asyncio.wait_for(b.task, 30)
+    await until(lambda: not hb.up, 5, "mb lost")
+    # Down for the heartbeat limit (1 s): mb makes room for mc, long before peer_forget_s.
+    await asyncio.sleep(1.2)
+    await pc.connect(a.peer_address)
+    await until(lambda: pa.known("mc") is not None and pa.known("mc").up, 5, "mc up at ma")  # type: ignore[union-attr]
+    assert pa.known("mb") is None and pa.by_address(b.peer_address) is None
