@@ -198,6 +198,10 @@ class SendSide:
         fresh = room is None or room.key.generation < key.generation  # a new room, or a newer generation
         if fresh:
             self.engines.require_serving()
+            dead = self.tombstoned(key)
+            if dead is not None:
+                # Failed (here, or by a decode side) and let go of: nobody will send it again.
+                raise FailedPrecondition(f"room {key} failed before this bootstrap ({dead[0].name}): {dead[1]}")
         if room is None or fresh or not room.cap_peer:
             # Checked before anything is created: a peer at its cap changes nothing here.
             self.engines.limits.check(ROOMS_PER_PEER, self.engines.limits.peer_rooms.get(peer.address, 0),
@@ -403,17 +407,21 @@ class SendSide:
             # The decode side gave up on a room before any prefill rank sent a chunk (its deadline,
             # an abort): remember it, or the first chunk would open a room nobody bootstraps,
             # holding the engine's slots until our own deadline.
-            # Bounded by max_tombstones, oldest evicted first: refusing a peer's abort makes no sense,
-            # and an evicted tombstone costs at most a room that waits for its deadline.
-            now = time.monotonic()
-            cap = self.engines.limits.limit(TOMBSTONES)
-            if len(self._tombstones) >= cap:
-                expired = [r for r, t in self._tombstones.items() if t[3] < now]
-                for rid in expired or list(self._tombstones)[: max(1, cap // 64)]:
-                    del self._tombstones[rid]
-            self._tombstones.pop(key.id, None)  # re-inserted last: the dict's order is the age order
-            self._tombstones[key.id] = (key, code, reason[:MAX_REASON], now + TOMBSTONE_TTL_S)
+            self._remember(key, code, reason)
         return False
+
+    def _remember(self, key: RoomKey, code: FailureCode, reason: str) -> None:
+        """A tombstone: a failed room we do not hold. Bounded by max_tombstones, oldest evicted
+        first (refusing to remember makes no sense, and an evicted tombstone costs at most a room
+        that waits for its deadline)."""
+        now = time.monotonic()
+        cap = self.engines.limits.limit(TOMBSTONES)
+        if len(self._tombstones) >= cap:
+            expired = [r for r, t in self._tombstones.items() if t[3] < now]
+            for rid in expired or list(self._tombstones)[: max(1, cap // 64)]:
+                del self._tombstones[rid]
+        self._tombstones.pop(key.id, None)  # re-inserted last: the dict's order is the age order
+        self._tombstones[key.id] = (key, code, reason[:MAX_REASON], now + TOMBSTONE_TTL_S)
 
     def peer_lost(self, peer: Link, reason: str) -> None:
         for room in list(self.rooms.values()):
@@ -440,6 +448,10 @@ class SendSide:
         # Otherwise the finished room's collection timer forgets it.
         if len(room.released_by) == room.prefill_tp and not any(
                 room.key.id in w.engine.send_rooms for w in room.writers.values()):
+            if room.state is RoomState.FAILED:
+                # A decode side that bootstraps it later must learn the outcome, not open a room
+                # no engine will send (it would wait for its deadline).
+                self._remember(room.key, room.failure_code, room.failure_reason)
             self._forget(room)
 
     def own(self, eng: Engine, key: RoomKey) -> SendRoom:

@@ -19,6 +19,7 @@ import pytest
 from kvxfer_client import DecodeReceiver, KvxferError, Layout, PrefillSender, RoomFailed, RoomState
 from tests.conftest import DaemonProc, spawn_daemon, stop_all, wait_ready
 from tests.faults.harness import wait_until
+from tests.test_e2e import status
 
 LAYOUT = Layout(num_layers=2, total_kv_heads=2, head_dim=16, dtype_bytes=2, page_size=16)
 HEAD_TOKEN = 2 * 2 * 16 * 2  # bytes of one head for one token (layers x K/V x head_dim x dtype)
@@ -108,6 +109,33 @@ def test_bootstrapping_into_a_failed_room_reports_its_own_failure(pair: tuple[Da
         wait_until(lambda: polled(tx, 4) is RoomState.FAILED, 10, "the prefill rank to see room 4 FAILED")
         st = tx.poll(4)
         assert st.failure_code == "ABORTED" and "decode gave up" in st.failure_reason
+
+
+def test_a_room_failed_and_released_before_its_bootstrap_fails_the_late_decode_side_at_once(
+        pair: tuple[DaemonProc, DaemonProc]) -> None:
+    # The prefill side failed room 6 and every rank let go of it before any decode side asked: it
+    # used to be forgotten, so a late Bootstrap opened a fresh room nobody would send, and the
+    # decode side waited for its deadline (120 s). Now it is remembered and the bootstrap refused.
+    pre, dec = pair
+    with PrefillSender(socket=pre.socket, group="tp1", layout=LAYOUT, ring_bytes=1 << 20) as tx, \
+            DecodeReceiver(socket=dec.socket, group="d6", layout=LAYOUT, ring_bytes=1 << 20) as rx:
+        before = dict(status(pre.socket).rooms_by_state)  # the pair is shared: earlier tests' rooms
+        tx.send_chunk(6, 0, 0, 16, b"\1" * (32 * HEAD_TOKEN), last=True)
+        tx.abort(6, "prefill gave up on 6")
+        wait_until(lambda: polled(tx, 6) is RoomState.FAILED, 10, "room 6 FAILED on the prefill side")
+        tx.release(6)
+        assert tx.poll(6).state is RoomState.FAILED  # the room is gone; what is remembered is its end
+        assert dict(status(pre.socket).rooms_by_state) == before
+        rx.expect(6, pre.peer_address, "tp1", 16)
+        with pytest.raises(RoomFailed) as ei:
+            rx.receive(6, timeout=10)
+        assert "prefill gave up on 6" in ei.value.reason, ei.value
+        # Nothing was opened on the prefill side for it, and a new generation is a new room.
+        assert dict(status(pre.socket).rooms_by_state) == before
+        rx.expect(6, pre.peer_address, "tp1", 16, generation=1)
+        tx.send_chunk(6, 0, 0, 16, b"\2" * (32 * HEAD_TOKEN), last=True, generation=1)
+        got, final = rx.receive(6, timeout=30, generation=1)
+        assert final.state is RoomState.SUCCESS and got[0] == b"\2" * (32 * HEAD_TOKEN)
 
 
 def test_only_the_engine_that_expects_a_decode_room_may_poll_abort_or_release_it(
