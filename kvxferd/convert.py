@@ -142,15 +142,22 @@ def watermark_pb(w: Watermark) -> common_pb2.WatermarkPos:
     return common_pb2.WatermarkPos(sequence=w.sequence, free_bytes=w.free_bytes, largest_free=w.largest_free)
 
 
+# What heartbeat_interval_s allows (config.py): a peer's word is not taken beyond it.
+MAX_HEARTBEAT_MS = 60_000
+
+
 def daemon_ref(pb: peer_pb2.DaemonRef) -> DaemonRef:
     if not pb.daemon_id or not pb.instance_id:
         raise InvalidArgument("sender.daemon_id and sender.instance_id are required")
     # We may dial it: only HOST:PORT, as for the address.
     if pb.stream_address and not _valid_hostport(pb.stream_address):
         raise InvalidArgument(f"sender.stream_address must be HOST:PORT, got {pb.stream_address[:100]!r}")
-    return DaemonRef(pb.daemon_id, pb.instance_id, pb.address, pb.stream_address)
+    if pb.heartbeat_interval_ms > MAX_HEARTBEAT_MS:
+        raise InvalidArgument(f"sender.heartbeat_interval_ms must be at most {MAX_HEARTBEAT_MS}")
+    return DaemonRef(pb.daemon_id, pb.instance_id, pb.address, pb.stream_address, pb.heartbeat_interval_ms / 1000)
 
 
 def daemon_ref_pb(ref: DaemonRef) -> peer_pb2.DaemonRef:
     return peer_pb2.DaemonRef(daemon_id=ref.daemon_id, instance_id=ref.instance_id, address=ref.address,
-                              stream_address=ref.stream_address)
+                              stream_address=ref.stream_address,
+                              heartbeat_interval_ms=round(ref.heartbeat_interval_s * 1000))

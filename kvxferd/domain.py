@@ -149,3 +149,5 @@ class DaemonRef:
     address: str
     # Where it serves the framed control stream (kvxferd.peer_wire); "" = gRPC Session only.
     stream_address: str = ""
+    # Its heartbeat interval (0: not said): it is heard from at least every half of it.
+    heartbeat_interval_s: float = 0.0

@@ -144,6 +144,9 @@ class PeerLink:
         # The instance we last lost (or "" if never): a session that comes up again tells the
         # ledger, which then settles the credits revoked at the loss.
         self.lost_instance = ""
+        # heartbeat_misses of the peer's own heartbeat interval (0: it did not say): a peer that
+        # speaks less often than we would is not lost for it.
+        self.peer_limit_s = 0.0
         # Handshakes completed with this instance (shared-secret mode), newest last.
         self.bindings: collections.deque[Binding] = collections.deque(maxlen=BINDINGS_KEPT)
         self.window = CreditWindow(self, metrics)
@@ -259,6 +262,7 @@ class PeerLink:
         every `limit` s, a new one within `first_word`; a link the peer handshook on but opened no
         stream for (or whose stream was refused or dropped) within `first_word` is lost as well."""
         quiet = now - self.last_rx
+        limit, first_word = max(limit, self.peer_limit_s), max(first_word, self.peer_limit_s)
         if self.session is None:
             if not self.dialing and quiet >= first_word:
                 return f"no control stream for {quiet:.1f} s after the handshake"

@@ -29,16 +29,7 @@ from kvxferd.metrics import Metrics
 from kvxferd.peer_auth import Binding, PeerAuth, PeerCreds, Proof
 from kvxferd.peer_dispatch import PeerInbox, dispatch
 from kvxferd.peer_limits import PeerLimits, PeerStatus
-from kvxferd.peer_link import (
-    CONTROL_TIMEOUT_S,
-    PeerLink,
-    Session,
-    TieBreak,
-    forget,
-    lost_tie_break,
-    proof_of,
-    proof_pb,
-)
+from kvxferd.peer_link import CONTROL_TIMEOUT_S, PeerLink, Session, TieBreak, forget, lost_tie_break, proof_of, proof_pb
 from kvxferd.peer_wire import refused as _refused
 from kvxferd.ports import Identity, Link
 from kvxferd.transport import Transport
@@ -103,7 +94,8 @@ class PeerManager:
 
     @property
     def me(self) -> DaemonRef:
-        return DaemonRef(self.ident.daemon_id, self.ident.instance_id, self.ident.address, self.ident.stream_address)
+        i = self.ident
+        return DaemonRef(i.daemon_id, i.instance_id, i.address, i.stream_address, self.config.heartbeat_interval_s)
 
     @property
     def _me(self) -> peer_pb2.DaemonRef:
@@ -366,6 +358,7 @@ class PeerManager:
         else:
             h.agent_name = agent_name
         h.daemon_id, h.instance_id, h.stream_address = ref.daemon_id, ref.instance_id, ref.stream_address
+        h.peer_limit_s = self.config.heartbeat_misses * ref.heartbeat_interval_s
         if ref.address and ref.address != h.address:
             self._by_address.setdefault(ref.address, h)
         h.up = True

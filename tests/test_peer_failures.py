@@ -599,3 +599,26 @@ async def test_a_new_peer_at_max_peers_evicts_one_long_down(inproc: Any) -> None
     await pc.connect(a.peer_address)
     await until(lambda: pa.known("mc") is not None and pa.known("mc").up, 5, "mc up at ma")  # type: ignore[union-attr]
     assert pa.known("mb") is None and pa.by_address(b.peer_address) is None
+
+
+# ---------------------------------------------------------------------------- 6: heartbeat intervals differ
+
+
+async def test_a_peer_with_a_longer_heartbeat_interval_is_not_lost_for_it(inproc: Any) -> None:
+    # fast: 0.5 s x 2 misses = 1 s of silence is a loss; slow writes a keep-alive every 1.5 s
+    # (half its 3 s interval). Fast used to lose slow every second or so (a rollout of a new
+    # heartbeat_interval_s across a fleet failed every room between old and new daemons).
+    fast = await inproc("hf", transport="local")
+    slow = await inproc("hs", transport="local", heartbeat_interval_s=3.0, peer_forget_s=6.0)
+    pf, ps = manager(fast), manager(slow)
+    inbox = spy(pf)
+    h = await pf.connect(slow.peer_address)
+    await until(lambda: ps.known("hf") is not None and ps.known("hf").up, 5, "hf up at hs")  # type: ignore[union-attr]
+    assert h.peer_limit_s == 6.0 and ps.known("hf").peer_limit_s == 1.0  # type: ignore[union-attr]
+    await asyncio.sleep(4.0)
+    assert h.up and inbox.lost == []
+    # And a slow peer that does go silent is still lost, after its own limit.
+    hang(h, read=True)
+    t0 = time.monotonic()
+    await until(lambda: inbox.lost, 12, "hs lost once silent")  # (it is redialed at once)
+    assert time.monotonic() - t0 >= 4.0 and inbox.lost[0][0] == "hs" and "no word" in inbox.lost[0][1]

@@ -8,16 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DaemonRef(_message.Message):
-    __slots__ = ("daemon_id", "instance_id", "address", "stream_address")
+    __slots__ = ("daemon_id", "instance_id", "address", "stream_address", "heartbeat_interval_ms")
     DAEMON_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STREAM_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     daemon_id: str
     instance_id: str
     address: str
     stream_address: str
-    def __init__(self, daemon_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., address: _Optional[str] = ..., stream_address: _Optional[str] = ...) -> None: ...
+    heartbeat_interval_ms: int
+    def __init__(self, daemon_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., address: _Optional[str] = ..., stream_address: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("sender", "agent_name", "nixl_metadata", "version", "proof")
