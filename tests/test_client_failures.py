@@ -370,3 +370,40 @@ def test_verdicts_read_before_the_connection_fails_still_reach_their_calls(short
     finally:
         lane.close()
         srv.close()
+
+
+# ------------------------------------------------------------------ verdicts belong to their thread
+
+
+def test_a_refusal_reaches_only_the_thread_that_sent_the_chunk(daemons: Any) -> None:
+    """A deferred refusal is raised by, or returned to, the thread whose enqueue(wait=False) it
+    answers. It used to sit in one list for the whole client, so another thread's next call could
+    raise it (about a chunk it never sent) or its settle() take it away from its owner."""
+    d = daemons("owner")
+    with PrefillSender(socket=d.socket, group="g", layout=LAYOUT, ring_bytes=1 << 20) as tx:
+        read = threading.Event()
+        release = threading.Event()
+        got: dict[str, Any] = {}
+
+        def sender() -> None:
+            slot = tx.acquire(8)
+            tx.enqueue(1, 0, 0, 8, slot, last=False, aux=b"x", wait=False)  # aux only with the last chunk
+            lane = tx.stub.lane
+            assert isinstance(lane, SyncLane)
+            lane.wait_deferred(10)  # the verdict is read here, not handed over yet
+            read.set()
+            release.wait(10)
+            got["flush"] = tx.flush()
+
+        t = threading.Thread(target=sender, name="owner-sender")
+        t.start()
+        assert read.wait(10)
+        # Another thread: nothing of the sender's refusal reaches it.
+        assert tx.settle() == []
+        other = tx.acquire(8)
+        tx.enqueue(2, 0, 0, 8, other, last=True)  # raises nothing
+        release.set()
+        t.join(10)
+        (refused,) = got["flush"]
+        assert isinstance(refused, ChunkRefused) and (refused.room, refused.chunk_id) == (1, 0)
+        assert refused.code == grpc.StatusCode.INVALID_ARGUMENT

@@ -4,6 +4,7 @@ chunks enqueued with or without waiting for the daemon's verdict, batches."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -141,7 +142,8 @@ class PrefillSender(_EngineClient):
             # send_deferred raises only when nothing was sent (then the ask is settled here);
             # once sent, the verdict or the connection's loss reaches on_reply instead.
             with self.spare.asking(req) as asked, self._unsent_on_raise(claim):
-                lane.send_deferred("EnqueueChunk", req, lambda got: self._verdicts.on_reply(c, asked, got),
+                owner = threading.get_ident()  # another thread may read the verdict
+                lane.send_deferred("EnqueueChunk", req, lambda got: self._verdicts.on_reply(c, asked, got, owner),
                                    self._timeout)
             return
         with self.spare.asking(req, depth=1) as asked:

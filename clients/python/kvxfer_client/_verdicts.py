@@ -15,12 +15,14 @@ class Verdicts:
     def __init__(self, spare: SpareSlot) -> None:
         self._spare = spare
         self._lock = threading.Lock()  # the blocking client reads verdicts on any of its threads
-        self._refused: list[ChunkRefused] = []  # oldest first
+        # Oldest first, per thread that sent the chunks: a refusal is raised by (or returned to)
+        # the thread whose enqueue(wait=False) it answers, never to another thread's call.
+        self._refused: dict[int, list[ChunkRefused]] = {}
         self.claims: ClaimRing | None = None  # set once the engine is registered with claimed slots
 
-    def on_reply(self, c: Chunk, asked: bool, got: Any) -> None:
+    def on_reply(self, c: Chunk, asked: bool, got: Any, owner: int | None = None) -> None:
         """The daemon's reply to chunk `c` (or the KvxferError that stands for it); `asked`: its
-        request asked for a spare slot."""
+        request asked for a spare slot; `owner`: the thread that sent it (by default, this one)."""
         claims = self.claims
         if claims is not None and c.slot is not None and c.slot.claim:
             if isinstance(got, KvxferError):
@@ -30,8 +32,9 @@ class Verdicts:
         if isinstance(got, KvxferError):
             if asked:
                 self._spare.settle()
+            key = threading.get_ident() if owner is None else owner
             with self._lock:
-                self._refused.append(ChunkRefused(c.room, c.chunk_id, c.slot, got))
+                self._refused.setdefault(key, []).append(ChunkRefused(c.room, c.chunk_id, c.slot, got))
             return
         extra = self._spare.keep(got, c.num_tokens, asked)
         if extra is not None:
@@ -48,14 +51,17 @@ class Verdicts:
             self._spare.late(got)
 
     def take(self) -> list[ChunkRefused]:
-        """Every refusal not handed over yet, oldest first."""
+        """Every refusal of this thread's chunks not handed over yet, oldest first."""
         with self._lock:
-            refused, self._refused = self._refused, []
-        return refused
+            return self._refused.pop(threading.get_ident(), [])
 
     def raise_oldest(self) -> None:
-        """Raises the oldest refusal not handed over yet, if any."""
+        """Raises the oldest refusal of this thread's chunks not handed over yet, if any."""
+        key = threading.get_ident()
         with self._lock:
-            refused = self._refused.pop(0) if self._refused else None
+            mine = self._refused.get(key)
+            refused = mine.pop(0) if mine else None
+            if mine == []:
+                del self._refused[key]
         if refused is not None:
             raise refused
