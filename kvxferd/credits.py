@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable
@@ -72,7 +73,10 @@ class CreditLedger:
         self._metrics = metrics
         # Gives ring space back (EngineTable.free_slot: also closes a released engine's ring).
         self._free_space = free_space
-        self._next_id = 1
+        # From a random base, not 1: a peer may still hold (revoked, WRITEs in flight) credits of
+        # our previous process, and a new grant with one of their ids would be taken for it
+        # (CreditWindow.add skips an id it holds, and that space would sit unused until returned).
+        self._next_id = (secrets.randbits(47) << 16) + 1
         self.grants: dict[int, Grant] = {}
         self._waiting: dict[str, deque[tuple[Link, int]]] = {}
 

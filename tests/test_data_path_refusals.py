@@ -217,3 +217,31 @@ def test_a_chunk_that_never_gets_space_does_not_keep_its_ring_asked_for() -> Non
     assert got == [("big", False), ("small", True)]
     assert w.take("R", 62 << 10, RoomKey(3), lambda r: got.append(("next", r is not None))) is None
     assert [a for a, _ in link.of("credit_request")] == [("R", 1 << 20), ("R", 62 << 10)]
+
+
+async def test_a_restarted_decode_daemons_grants_are_not_taken_for_its_predecessors(node: Node) -> None:
+    """A prefill daemon may still hold credits of a decode daemon's previous process (revoked,
+    a WRITE in flight) when the new process grants it space. Grant ids restarted at 1, so the
+    new grant carried an id the window held already, and the window skipped it: that space sat
+    granted and unused until it was reclaimed."""
+    pool2 = HostPool("", 32 << 20, "refusal1", backing="private")
+    try:
+        restarted = Node(Config(), pool2, Metrics(CollectorRegistry()), Identity("me", "me-i2"))
+        prefill = Link("pre")
+        window = CreditWindow(prefill, Metrics(CollectorRegistry()))  # type: ignore[arg-type]
+        for n in (node, restarted):
+            dec = engine(n, Role.DECODE, "d")
+            n.ledger.ensure(prefill, dec, 64 << 10)  # type: ignore[arg-type]
+            ((specs,), _) = prefill.of("grant")[-1]
+            window.add(specs)
+            if n is node:
+                # The old process's credit is revoked while a WRITE into it is still in flight.
+                (held,) = window.held.values()
+                held.in_flight = 1
+                window.lost()
+        old_id, new_id = (a[0][0].id for a, _ in prefill.of("grant"))
+        assert old_id != new_id
+        assert set(window.held) == {old_id, new_id}
+        assert window.held[new_id].revoked is False  # the new grant is usable
+    finally:
+        pool2.close()
