@@ -101,6 +101,11 @@ def zero_copy_slot_bytes(spec: EngineSpec) -> int:
     return lay.num_layers * lay.planes * heads * lay.head_dim * lay.dtype_bytes
 
 
+def _drain_freed(eng: Engine) -> list[int]:
+    out, eng.freed_claims = eng.freed_claims, []
+    return out
+
+
 async def _run_inline(fn: Callable[..., Any], *args: Any) -> Any:
     return fn(*args)
 
@@ -401,10 +406,7 @@ class EngineTable:
     def take_freed(self, engine_id: str) -> list[int]:
         """The claims let go of since the engine was last told (each is told once)."""
         eng = self.engines.get(engine_id)
-        if eng is None or not eng.freed_claims:
-            return []
-        out, eng.freed_claims = eng.freed_claims, []
-        return out
+        return _drain_freed(eng) if eng is not None else []
 
     async def wait_freed(self, engine_id: str, believed: list[int], wait_s: float) -> list[int]:
         """The claims the engine may cut again (freed, or believed held but not), waiting up to
@@ -416,7 +418,7 @@ class EngineTable:
                 raise FailedPrecondition("this engine did not register with claim_slots")
             eng.space.clear()
             held = set(eng.claims.values())
-            out = self.take_freed(engine_id) + [t for t in believed if t not in held]
+            out = _drain_freed(eng) + [t for t in believed if t not in held]
             if out:
                 return out
             left = deadline - time.monotonic()

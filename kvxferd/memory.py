@@ -95,10 +95,16 @@ class RingAllocator:
                 return start
         return None
 
+    def _free_range_holding(self, offset: int, need: int) -> int | None:
+        """Index of the free range that [offset, offset + need) lies inside, if one does."""
+        i = bisect.bisect_right(self._free_starts, offset) - 1
+        if i < 0 or offset + need > self._free_starts[i] + self._free_lens[i]:
+            return None
+        return i
+
     def is_free(self, offset: int, length: int) -> bool:
         """[offset, offset + align_up(length)) lies inside one free range."""
-        i = bisect.bisect_right(self._free_starts, offset) - 1
-        return i >= 0 and offset + align_up(length, self.align) <= self._free_starts[i] + self._free_lens[i]
+        return self._free_range_holding(offset, align_up(length, self.align)) is not None
 
     def claim(self, offset: int, length: int) -> bool:
         """Holds [offset, offset + align_up(length)) if all of it is free (a slot the engine cut
@@ -106,12 +112,10 @@ class RingAllocator:
         need = align_up(length, self.align)
         if length <= 0 or offset < 0 or offset % self.align or offset + need > self.size:
             return False
-        i = bisect.bisect_right(self._free_starts, offset) - 1
-        if i < 0:
+        i = self._free_range_holding(offset, need)
+        if i is None:
             return False
         start, flen = self._free_starts[i], self._free_lens[i]
-        if offset + need > start + flen:
-            return False
         # Cut the slot out of its free range: what stays is the part before it and the part after.
         before, after = offset - start, start + flen - offset - need
         if before:

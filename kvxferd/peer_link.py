@@ -419,8 +419,8 @@ def forget(by_address: dict[str, PeerLink], by_id: dict[str, PeerLink], next_dia
         for key, h in list(table.items()):
             if stale(h):
                 del table[key]
-                next_dial.pop(key, None)
                 gone[id(h)] = h
     for h in gone.values():
+        next_dial.pop(h.address, None)  # the redial back-off, kept by the address dialed
         logger.info("peer %s (%s) forgotten: down for %.0f s", h.daemon_id or "?", h.address, now - h.down_since)
     return list(gone.values())

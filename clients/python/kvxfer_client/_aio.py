@@ -26,6 +26,7 @@ from kvxfer_client._common import (
     RoomStatus,
     Slot,
     Tls,
+    acquire_request,
     aio_channel,
     bytes_tensor,
     chunk_request,
@@ -34,6 +35,7 @@ from kvxfer_client._common import (
     export_ring,
     register_request,
     registration,
+    retry_full_or_raise,
     room_event,
     room_pb,
     room_status,
@@ -43,7 +45,7 @@ from kvxfer_client._common import (
 )
 from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from kvxfer_client._pinned import check_can_pin, gpu_ring_for
-from kvxfer_client._spare import SpareSlot, acquire_request
+from kvxfer_client._spare import SpareSlot
 from kvxfer_client._stub import RoutedStub
 from kvxfer_client._verdicts import Verdicts
 
@@ -249,8 +251,7 @@ class AsyncPrefillSender(_AsyncEngineClient):
                 reply = await self._call(self.stub.AcquireSlot, req, timeout=req.wait_ms / 1000 + self._timeout)
                 return Slot(reply.slot.offset, reply.slot.length, reply.chunk_bytes)
             except KvxferError as exc:
-                if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() >= deadline:
-                    raise
+                retry_full_or_raise(exc, deadline)
 
     async def _cut(self, claims: ClaimRing, num_tokens: int, timeout: float) -> Slot:
         slot = claims.cut(num_tokens)
@@ -261,7 +262,7 @@ class AsyncPrefillSender(_AsyncEngineClient):
             try:
                 reply = await self._call(self.stub.AcquireSlot, req, timeout=req.wait_ms / 1000 + self._timeout)
             except KvxferError as exc:
-                claims.retry_or_raise(exc, deadline)
+                retry_full_or_raise(exc, deadline)
                 continue
             slot = claims.freed_then_cut(reply.freed_claims, num_tokens)
         return slot

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import bisect
 import threading
-import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -96,11 +95,6 @@ class ClaimRing:
             self._starts.insert(i, off)
             self._lens.insert(i, length)
 
-    def _set(self, tag: int, state: int) -> None:
-        claim = self._claims.get(tag)
-        if claim is not None:
-            claim[2] = state
-
     def _send(self, tag: int) -> KvxferError | None:
         claim = self._claims.get(tag)
         if claim is None or claim[2] not in (LOCAL, LOST):
@@ -144,7 +138,6 @@ class ClaimRing:
             if tag:
                 self.failed(tag, exc)
 
-
     def verdict(self, tag: int, accepted: bool, freed: Iterable[int] = ()) -> None:
         """The daemon's verdict on the chunk in claim `tag`: refused leaves the slot the engine's."""
         with self._lock:
@@ -155,23 +148,18 @@ class ClaimRing:
 
     def failed(self, tag: int, exc: BaseException) -> None:
         """The enqueue of claim `tag` raised, or its verdict is this error."""
-        if isinstance(exc, NotSent):
-            self.unsent(tag)
-        elif isinstance(exc, KvxferError) and not isinstance(exc, ReplyLost) and exc.code in _REFUSALS:
+        # Never sent, or refused: the claim is as it was before it was sent.
+        if isinstance(exc, NotSent) or (
+                isinstance(exc, KvxferError) and not isinstance(exc, ReplyLost) and exc.code in _REFUSALS):
             self.verdict(tag, False)
         else:
             self.lost(tag)
 
-    def unsent(self, tag: int) -> None:
-        """The enqueue never left this process: the claim is as it was."""
-        with self._lock:
-            claim = self._claims.get(tag)
-            if claim is not None and claim[2] == SENT:
-                claim[2] = claim[3]
-
     def lost(self, tag: int) -> None:
         with self._lock:
-            self._set(tag, LOST)
+            claim = self._claims.get(tag)
+            if claim is not None:
+                claim[2] = LOST
 
     def freed(self, tags: Iterable[int]) -> None:
         with self._lock:
@@ -203,12 +191,6 @@ class ClaimRing:
         req.held_claims.extend(self.believed())
         return req
 
-    @staticmethod
-    def retry_or_raise(exc: KvxferError, deadline: float) -> None:
-        """After a wait that failed: raises unless it only timed out on a full ring in time to retry."""
-        if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() >= deadline:
-            raise exc
-
     def freed_then_cut(self, freed: Iterable[int], num_tokens: int) -> Slot | None:
         self.freed(freed)
         return self.cut(num_tokens)
@@ -229,7 +211,6 @@ class ClaimRing:
             for c in self._claims.values():
                 out[c[2]] += 1
             return out
-
 
 
 def split_batch(claims: ClaimRing, chunks: Sequence[Any]) -> tuple[list[int], list[KvxferError | None], list[int] | None]:

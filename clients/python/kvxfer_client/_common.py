@@ -339,6 +339,19 @@ def registration(reply: engine_pb2.RegisterEngineReply) -> Registration:
     )
 
 
+def acquire_request(engine_id: str, num_tokens: int, deadline: float, call_timeout: float) -> engine_pb2.AcquireSlotRequest:
+    """The daemon waits for space itself, in rounds of at most one call timeout."""
+    wait_s = max(0.0, min(deadline - time.monotonic(), call_timeout))
+    return engine_pb2.AcquireSlotRequest(engine_id=engine_id, num_tokens=num_tokens, wait_ms=int(wait_s * 1000))
+
+
+def retry_full_or_raise(exc: KvxferError, deadline: float) -> None:
+    """After an AcquireSlot round that failed (either kind of slot): raises `exc` unless the ring
+    was only still full and the caller's deadline leaves time for another round."""
+    if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() >= deadline:
+        raise exc
+
+
 def room_pb(room: int, generation: int = 0) -> common_pb2.RoomKey:
     return common_pb2.RoomKey(id=room, generation=generation)
 

@@ -1,22 +1,14 @@
-"""How a client that gets its slots from the daemon (claim_slots off, or a daemon without
-claimed slots) asks for them: AcquireSlot requests, and the spare slots that accepted chunks
-bring back (EnqueueChunkRequest.next_tokens)."""
+"""The spare slots that accepted chunks bring back (EnqueueChunkRequest.next_tokens), for a
+client that gets its slots from the daemon (claim_slots off, or a daemon without claimed slots)."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections.abc import Iterator, Sequence
 
 from kvxfer_client._common import NotSent, Slot
 from kvxfer_client._pb.kvxfer.v1 import engine_pb2
-
-
-def acquire_request(engine_id: str, num_tokens: int, deadline: float, call_timeout: float) -> engine_pb2.AcquireSlotRequest:
-    """The daemon waits for space itself, in rounds of at most one call timeout."""
-    wait_s = max(0.0, min(deadline - time.monotonic(), call_timeout))
-    return engine_pb2.AcquireSlotRequest(engine_id=engine_id, num_tokens=num_tokens, wait_ms=int(wait_s * 1000))
 
 
 class SpareSlot:

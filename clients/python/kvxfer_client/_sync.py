@@ -39,9 +39,6 @@ from kvxfer_client._pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc
 from kvxfer_client._pinned import check_can_pin, gpu_ring_for
 from kvxfer_client._stub import RoutedStub
 
-_RETRYABLE_FULL = grpc.StatusCode.RESOURCE_EXHAUSTED
-
-
 
 class EventStream:
     """RoomEvents of one WatchRooms stream (over the lane, or gRPC): iterate it; cancel() ends it

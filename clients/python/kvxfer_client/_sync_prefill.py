@@ -19,17 +19,17 @@ from kvxfer_client._common import (
     ChunkRefused,
     KvxferError,
     Slot,
+    acquire_request,
     chunk_request,
     chunks_request,
     enqueue_results,
+    retry_full_or_raise,
 )
 from kvxfer_client._lane import SyncLane
 from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2
-from kvxfer_client._spare import SpareSlot, acquire_request
+from kvxfer_client._spare import SpareSlot
 from kvxfer_client._sync import _EngineClient
 from kvxfer_client._verdicts import Verdicts
-
-_RETRYABLE_FULL = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 class PrefillSender(_EngineClient):
@@ -70,8 +70,7 @@ class PrefillSender(_EngineClient):
                 reply = self._call(self.stub.AcquireSlot, req, timeout=req.wait_ms / 1000 + self._timeout)
                 return Slot(reply.slot.offset, reply.slot.length, reply.chunk_bytes)
             except KvxferError as exc:
-                if exc.code != _RETRYABLE_FULL or time.monotonic() >= deadline:
-                    raise
+                retry_full_or_raise(exc, deadline)
 
     def _cut(self, num_tokens: int, timeout: float) -> Slot:
         claims = self.claims
@@ -84,7 +83,7 @@ class PrefillSender(_EngineClient):
             try:
                 reply = self._call(self.stub.AcquireSlot, req, timeout=req.wait_ms / 1000 + self._timeout)
             except KvxferError as exc:
-                claims.retry_or_raise(exc, deadline)
+                retry_full_or_raise(exc, deadline)
                 continue
             slot = claims.freed_then_cut(reply.freed_claims, num_tokens)
         return slot
@@ -166,7 +165,7 @@ class PrefillSender(_EngineClient):
             yield
         except BaseException:
             if claim:
-                self.claims.unsent(claim)  # type: ignore[union-attr]
+                self.claims.verdict(claim, False)  # type: ignore[union-attr]
             raise
 
     def flush(self, timeout: float | None = None) -> list[ChunkRefused]:
