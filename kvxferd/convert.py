@@ -123,7 +123,7 @@ def room_status_pb(v: RoomView) -> engine_pb2.RoomStatus:
         room=room_key_pb(v.room), state=common_pb2.RoomState.ValueType(v.state),
         failure_code=common_pb2.FailureCode.ValueType(v.failure_code),
         failure_reason=v.failure_reason, landed=[landed_pb(c) for c in v.landed], aux=v.aux,
-        chunks_done=v.chunks_done,
+        chunks_done=v.chunks_done, pages_fenced=v.pages_fenced,
     )
 
 
@@ -132,6 +132,7 @@ def room_event_pb(ev: RoomEvent) -> engine_pb2.RoomEvent:
         room=room_key_pb(ev.room), state=common_pb2.RoomState.ValueType(ev.state),
         failure_code=common_pb2.FailureCode.ValueType(ev.failure_code),
         failure_reason=ev.failure_reason, aux=ev.aux, chunks_done=ev.chunks_done,
+        pages_fenced=ev.pages_fenced,
     )
     if ev.landed is not None:
         out.landed.CopyFrom(landed_pb(ev.landed))

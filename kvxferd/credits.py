@@ -69,7 +69,7 @@ class CreditLedger:
     def __init__(self, split: int, quarantine_s: float, metrics: Metrics,
                  free_space: Callable[[Engine, int], None]) -> None:
         self._split = max(1, split)
-        self._quarantine_s = quarantine_s
+        self.quarantine_s = quarantine_s
         self._metrics = metrics
         # Gives ring space back (EngineTable.free_slot: also closes a released engine's ring).
         self._free_space = free_space
@@ -209,14 +209,14 @@ class CreditLedger:
         g.revoked = True
         self._metrics.credits.labels(event="revoked").inc()
         loop = asyncio.get_running_loop()
-        g.quarantine = loop.call_later(self._quarantine_s, self._quarantine_over, g)
+        g.quarantine = loop.call_later(self.quarantine_s, self._quarantine_over, g)
 
     def _quarantine_over(self, g: Grant) -> None:
         g.quarantine = None
         if g.cleared or g.id not in self.grants:
             return
         logger.warning("credit %d of %s: not returned in %.0f s; reusing its space", g.id, g.peer.daemon_id,
-                       self._quarantine_s)
+                       self.quarantine_s)
         self._metrics.credits.labels(event="quarantine_expired").inc()
         g.cleared = "quarantine over"
         self._maybe_free(g)

@@ -118,6 +118,7 @@ class RoomView:
     landed: tuple[LandedChunk, ...] = ()
     aux: bytes = b""
     chunks_done: int = 0
+    pages_fenced: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,8 @@ class RoomEvent:
     landed: LandedChunk | None = None
     aux: bytes = b""
     chunks_done: int = 0
+    # A FAILED zero-copy decode room whose pages a prefill WRITE may still reach.
+    pages_fenced: bool = False
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,8 @@ class EventHub:
         self.publish(w.engine, self._writer_event(room, w), progress_only=len(w.done) > 1)
 
     def recv_state(self, room: RecvRoom, aux: bytes = b"") -> None:
-        ev = RoomEvent(room.key, room.state, room.failure_code, room.failure_reason, aux=aux)
+        ev = RoomEvent(room.key, room.state, room.failure_code, room.failure_reason, aux=aux,
+                       pages_fenced=room.pages_fenced)
         for rs in room.readers.values():
             self.publish(rs.engine, ev)
 

@@ -68,6 +68,10 @@ class Metrics:
             "kvxferd_credits", "Slot credits by event (granted, requested, returned, revoked, freed, "
             "quarantine_expired)", ["event"], registry=r,
         )
+        self.page_fences = Counter(
+            "kvxferd_page_fences", "Zero-copy decode rooms whose pages were fenced after a failure, by event "
+            "(raised, lifted, expired: lifted after the quarantine, not by the prefill side)", ["event"], registry=r,
+        )
         self.peer_batches = Counter(
             "kvxferd_peer_batches", "Batches on peer control streams", ["direction"], registry=r
         )

@@ -222,7 +222,7 @@ class Node:
             landed_view(cid, s) for cid, s in sorted(rs.slots.items()) if s.landed and not s.consumed and not s.freed
         )
         return RoomView(room.key, room.state, room.failure_code, room.failure_reason, landed,
-                        room.aux if room.state is RoomState.SUCCESS else b"")
+                        room.aux if room.state is RoomState.SUCCESS else b"", pages_fenced=room.pages_fenced)
 
     def abort_room(self, engine_id: str, key: RoomKey, reason: str) -> None:
         eng = self.engines.get(engine_id)
@@ -233,11 +233,18 @@ class Node:
         elif isinstance(room, RecvRoom):
             self.recv.fail(room, FailureCode.ABORTED, why)
 
-    def release_room(self, engine_id: str, key: RoomKey) -> None:
+    async def release_room(self, engine_id: str, key: RoomKey) -> None:
         eng = self.engines.get(engine_id)
         room = self._own_room(eng, key)
         if not room.finished:
             self.abort_room(engine_id, key, "released before it finished")
+        if isinstance(room, RecvRoom) and room.pages_fenced:
+            # The engine reuses the room's pages once this returns: not while a WRITE may land there.
+            await self.recv.fence.wait(room.key)
+            try:
+                room = self._own_room(self.engines.get(engine_id), key)
+            except NotFound:
+                return  # released meanwhile (a second call), or the engine is gone
         if isinstance(room, SendRoom):
             self.send.release(eng, room)
         elif isinstance(room, RecvRoom):
@@ -360,14 +367,25 @@ class Node:
     def on_complete_ack(self, peer: Link, key: RoomKey, reader: int, code: int, message: str) -> None:
         self.send.complete_ack(peer, key, reader, code, message)
 
-    def on_abort(self, peer: Link, key: RoomKey, code: FailureCode, reason: str) -> None:
+    def on_abort(self, peer: Link, key: RoomKey, code: FailureCode, reason: str, quiesced: bool) -> None:
         # Both sides are asked: on this daemon's own link one room id has a send and a receive half.
         # A room the receive side has is never tombstoned for the send side (an abort meant for it).
-        got_recv = self.recv.peer_abort(peer, key, code, reason)
-        got_send = self.send.peer_abort(peer, key, code, reason, remember=not got_recv)
+        got_recv = self.recv.peer_abort(peer, key, code, reason, quiesced)
+        got_send = self.send.peer_abort(peer, key, code, reason, remember=not got_recv, quiesced=quiesced)
         if not got_recv and not got_send and peer.up:
-            # A room neither side has: the prefill side may reuse whatever it cut for it.
+            # A room neither side has: the prefill side may reuse whatever it cut for it, and
+            # nothing of ours can be writing into the decode side's pages for it.
             peer.send_release(rooms=[key])
+            if not quiesced:
+                peer.send_abort(key, code, reason, quiesced=True)
+
+    def on_peer_back(self, peer: Link, old_instance: str) -> None:
+        self.ledger.peer_back(peer, old_instance)
+        self.recv.fence.peer_back(peer, old_instance)
+
+    def on_peer_gone(self, peer: Link, instance: str) -> None:
+        self.ledger.peer_gone(peer, instance)
+        self.recv.fence.peer_gone(peer, instance)
 
     def on_notifs(self, notifs: Iterable[tuple[str, bytes]]) -> None:
         self.recv.on_notifs(notifs)
@@ -377,8 +395,3 @@ class Node:
         self.recv.peer_lost(peer, reason)
         self.refresh_metrics()
 
-    def on_peer_back(self, peer: Link, old_instance: str) -> None:
-        self.ledger.peer_back(peer, old_instance)
-
-    def on_peer_gone(self, peer: Link, instance: str) -> None:
-        self.ledger.peer_gone(peer, instance)

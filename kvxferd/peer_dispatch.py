@@ -34,7 +34,7 @@ class PeerInbox(Protocol):
 
     def on_complete_ack(self, peer: Link, key: RoomKey, reader: int, code: int, message: str) -> None: ...
 
-    def on_abort(self, peer: Link, key: RoomKey, code: FailureCode, reason: str) -> None: ...
+    def on_abort(self, peer: Link, key: RoomKey, code: FailureCode, reason: str, quiesced: bool) -> None: ...
 
     def on_peer_lost(self, peer: Link, reason: str) -> None: ...
 
@@ -97,4 +97,4 @@ def dispatch(inbox: PeerInbox, h: PeerLink, msg: peer_pb2.PeerMsg) -> None:
         inbox.on_complete_ack(h, room_key(a.room), a.reader_rank, a.code, a.message)
     elif kind == "abort":
         a = msg.abort
-        inbox.on_abort(h, room_key(a.room), _failure_code(a.code), a.reason[:1000])
+        inbox.on_abort(h, room_key(a.room), _failure_code(a.code), a.reason[:1000], a.quiesced)

@@ -19,6 +19,7 @@ from kvxferd.domain import FailureCode, Role, RoomKey, RoomState, ZeroCopyTarget
 from kvxferd.engines import MAX_TOKENS, Engine, EngineTable
 from kvxferd.errors import AlreadyExists, FailedPrecondition, InvalidArgument, KvxferError, NotFound, PermissionDenied
 from kvxferd.events import EventHub, RoomClock, count_finished, deadline_reason
+from kvxferd.fence import PageFence
 from kvxferd.layout import part_bytes, plan
 from kvxferd.limits import MAX_ADDRESS, MAX_GROUP, ROOMS_PER_ENGINE, check_len
 from kvxferd.memory import Watermark
@@ -52,6 +53,7 @@ class RecvSide:
         self.refresh = refresh
         self._spawn = spawn
         self.rooms: dict[int, RecvRoom] = {}
+        self.fence = PageFence(hub, ledger.quarantine_s, metrics)
         # Rooms not finished yet: read by the notification poller thread to choose its pace.
         self.unfinished = 0
         self.connect: Callable[[str], Awaitable[Link]]  # set by the node: a peer with a live session
@@ -417,9 +419,12 @@ class RecvSide:
 
     # ------------------------------------------------------------------ failure and release
 
-    def fail(self, room: RecvRoom, code: FailureCode, reason: str, push: bool = True) -> None:
+    def fail(self, room: RecvRoom, code: FailureCode, reason: str, push: bool = True, fence: bool = True) -> None:
+        """`fence` False: the prefill side said nothing of its is in flight any more."""
         if not room.fail(code, reason):
             return
+        if fence and room.peer is not None and room.zero_copy:
+            self.fence.close(room, room.peer)
         self.unfinished -= 1
         logger.warning("room %s: decode side FAILED (%s): %s", room.key, code.name, reason)
         self.metrics.room_failures.labels(reason=code.name).inc()
@@ -441,6 +446,9 @@ class RecvSide:
 
     def _gc(self, room: RoomBase) -> None:
         assert isinstance(room, RecvRoom)
+        if room.pages_fenced:
+            self.clock.rearm_gc(room, self._gc)
+            return
         self._forget(room)
         self.refresh()
 
@@ -469,15 +477,18 @@ class RecvSide:
             raise NotFound(f"room {key} is not expected by this engine")
         return room
 
-    def peer_abort(self, peer: Link, key: RoomKey, code: FailureCode, reason: str) -> bool:
-        """The prefill side failed a room; False if no room of ours matches."""
+    def peer_abort(self, peer: Link, key: RoomKey, code: FailureCode, reason: str, quiesced: bool) -> bool:
+        """The prefill side failed a room (`quiesced`: and has no WRITE in flight for it); False
+        if no room of ours matches."""
+        if quiesced:
+            self.fence.quiesced(peer, key)
         room = self.rooms.get(key.id)
         if room is None or room.key != key or room.peer is not peer:
             return False
         if room.state is not RoomState.SUCCESS:
             # A SUCCESS room stays: every byte landed and the engine may still be reading unconsumed
             # chunks, so a late failure on the prefill side (a completion ack lost) must not free them.
-            self.fail(room, code, f"prefill side: {reason}", push=False)
+            self.fail(room, code, f"prefill side: {reason}", push=False, fence=not quiesced)
         return True
 
     def peer_lost(self, peer: Link, reason: str) -> None:

@@ -128,6 +128,9 @@ class SendRoom(RoomBase):
         # Zero-copy rooms write pages of each reader's KV pool directly (no slots).
         self.zero_copy = False
         self.zc_targets: dict[int, ZeroCopyTarget] = {}
+        # Failed with WRITEs into a zero-copy reader's pages in flight: the decode side keeps
+        # those pages fenced until we say none is left (a quiesced Abort).
+        self.owe_quiesced = False
         self.first_chunk_at: float | None = None
         # Ranks whose engine released the room (ReleaseRoom); forgotten once every rank did.
         self.released_by: set[int] = set()
@@ -201,6 +204,12 @@ class RecvRoom(RoomBase):
         self.ranges_released = False
         # Landed notifications that arrived before the bootstrap reply (kvxferd.notif.Notif).
         self.early: list[Any] = []
+        # Zero-copy: failed, and a prefill WRITE may still land in the readers' pages (kvxferd.fence).
+        self.pages_fenced = False
+
+    @property
+    def zero_copy(self) -> bool:
+        return any(rs.engine.spec.zero_copy for rs in self.readers.values())
 
     def tokens_left(self, rank: int) -> int:
         """The room's tokens that no chunk has brought to reader `rank` yet."""

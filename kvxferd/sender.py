@@ -311,6 +311,8 @@ class SendSide:
 
     def chunk_done(self, room: SendRoom, chunk: OutChunk) -> None:
         """All parts of a chunk are written (or the room failed): give back the source slot."""
+        if room.owe_quiesced and room.in_flight == 0:
+            self._quiesced(room)
         if not chunk.slot_freed and chunk.in_flight == 0:
             chunk.slot_freed = True
             self.engines.free_slot(chunk.engine, chunk.spec.slot.offset)
@@ -366,9 +368,17 @@ class SendSide:
                     self.engines.free_slot(c.engine, c.spec.slot.offset)
         if push and room.peer is not None and room.peer.up:
             room.peer.send_abort(room.key, code, reason, quiesced=room.in_flight == 0)
+        if room.zero_copy and room.in_flight:
+            room.owe_quiesced = True
         self.hub.send_state(room)
         self.clock.arm_gc(room, self._gc)
         self.refresh()
+
+    def _quiesced(self, room: SendRoom) -> None:
+        room.owe_quiesced = False
+        if room.peer is not None and room.peer.up:
+            logger.debug("room %s: no WRITE in flight any more; telling the decode side", room.key)
+            room.peer.send_abort(room.key, room.failure_code, room.failure_reason, quiesced=True)
 
     def _deadline(self, room: RoomBase) -> None:
         assert isinstance(room, SendRoom)
@@ -396,12 +406,21 @@ class SendSide:
 
     # ------------------------------------------------------------------ peers and engines
 
-    def peer_abort(self, peer: Link, key: RoomKey, code: FailureCode, reason: str, remember: bool = True) -> bool:
+    def peer_abort(self, peer: Link, key: RoomKey, code: FailureCode, reason: str, remember: bool = True,
+                   quiesced: bool = True) -> bool:
         """The decode side failed a room; False if no room of ours matches (then, with `remember`,
-        the room is tombstoned)."""
+        the room is tombstoned). `quiesced` False: an abort from the decode side, which a
+        zero-copy room answers once quiesced."""
         room = self.rooms.get(key.id)
         if room is not None and room.key == key and room.peer is peer:
             self.fail(room, code, f"decode side: {reason}", push=False)
+            if room.zero_copy and not quiesced:
+                # The decode side fences the room's pages until we answer (again, if it asks
+                # after a lost session): at once, or when the last WRITE is reported.
+                if room.in_flight:
+                    room.owe_quiesced = True
+                else:
+                    self._quiesced(room)
             return True
         if remember and (room is None or room.key.generation < key.generation):
             # The decode side gave up on a room before any prefill rank sent a chunk (its deadline,

@@ -307,7 +307,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def ReleaseRoom(self, request: engine_pb2.ReleaseRoomRequest, context: Any) -> engine_pb2.ReleaseRoomReply:
         if not request.HasField("room"):
             raise errors.InvalidArgument("room is required")
-        self._node.release_room(request.engine_id, room_key(request.room))
+        await self._node.release_room(request.engine_id, room_key(request.room))
         return engine_pb2.ReleaseRoomReply()
 
     async def GetStatus(self, request: engine_pb2.GetStatusRequest, context: Any) -> engine_pb2.DaemonStatus:

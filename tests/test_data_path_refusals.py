@@ -8,6 +8,7 @@ the ring's other rooms until the deadline; a decode room answers only the engine
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -168,7 +169,7 @@ async def test_a_success_room_of_two_readers_waits_for_the_live_one(node: Node) 
     assert node.recv.rooms[9] is room and node.slots_held() == 1 and d1 not in node.engines._closing
     assert peer.of("release")[0][1]["ranges"] == [(grants[1], 0)]
     assert node.poll_room(d0.id, RoomKey(9)).landed
-    node.release_room(d0.id, RoomKey(9))
+    await node.release_room(d0.id, RoomKey(9))
     assert 9 not in node.recv.rooms and node.slots_held() == 0
 
 
@@ -177,7 +178,9 @@ async def test_only_the_engine_that_expects_a_decode_room_may_poll_abort_or_rele
     await expect_bootstrapped(node, a, Link("pre"), 100)
     for call in (node.poll_room, node.release_room, lambda e, k: node.abort_room(e, k, "")):
         with pytest.raises(NotFound, match="not expected by this engine"):
-            call(b.id, RoomKey(100))
+            got = call(b.id, RoomKey(100))
+            if inspect.isawaitable(got):
+                await got
     room = node.recv.rooms[100]
     assert room.state is RoomState.WAITING_FOR_INPUT and not room.readers[0].released
     assert node.poll_room(a.id, RoomKey(100)).state is RoomState.WAITING_FOR_INPUT

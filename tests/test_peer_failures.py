@@ -70,7 +70,7 @@ class Inbox:
             raise RuntimeError("injected on_peer_lost failure")
         self.inner.on_peer_lost(peer, reason)
 
-    def on_abort(self, peer: Any, key: RoomKey, code: FailureCode, reason: str) -> None:
+    def on_abort(self, peer: Any, key: RoomKey, code: FailureCode, reason: str, quiesced: bool) -> None:
         self.aborts.append((peer.daemon_id, key.id))
 
     def __getattr__(self, name: str) -> Any:

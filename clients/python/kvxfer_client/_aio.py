@@ -12,6 +12,7 @@ import grpc
 from kvxfer_client._aio_lane import AioLane
 from kvxfer_client._claims import ClaimRing, merge_batch, split_batch
 from kvxfer_client._common import (
+    RELEASE_TIMEOUT_S,
     RING_READY_TIMEOUT_S,
     Chunk,
     ChunkRefused,
@@ -185,7 +186,7 @@ class _AsyncEngineClient:
 
     async def release(self, room: int, generation: int = 0) -> None:
         await self._call(self.stub.ReleaseRoom, engine_pb2.ReleaseRoomRequest(
-            engine_id=self.engine_id, room=room_pb(room, generation)))
+            engine_id=self.engine_id, room=room_pb(room, generation)), max(self._timeout, RELEASE_TIMEOUT_S))
 
     async def status(self) -> engine_pb2.DaemonStatus:
         return await self._call(self.stub.GetStatus, engine_pb2.GetStatusRequest())

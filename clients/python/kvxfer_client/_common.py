@@ -244,6 +244,9 @@ class RoomStatus:
     landed: tuple[Landed, ...] = ()
     aux: bytes = b""
     chunks_done: int = 0
+    # Zero-copy decode: FAILED, and a prefill WRITE may still land in the room's pages; reuse
+    # them once this is False (release() waits for it).
+    pages_fenced: bool = False
 
     @property
     def finished(self) -> bool:
@@ -261,6 +264,8 @@ class RoomEvent:
     aux: bytes = b""
     # On a sending engine's events: its chunks of the room written so far.
     chunks_done: int = 0
+    # As RoomStatus.pages_fenced: a fenced FAILED event is followed by one with False.
+    pages_fenced: bool = False
 
 
 @dataclass(frozen=True)
@@ -352,6 +357,11 @@ def retry_full_or_raise(exc: KvxferError, deadline: float) -> None:
         raise exc
 
 
+# A zero-copy decode room's ReleaseRoom may wait for the page fence, which the daemon lifts
+# after its credit quarantine (30 s) at the latest.
+RELEASE_TIMEOUT_S = 40.0
+
+
 def room_pb(room: int, generation: int = 0) -> common_pb2.RoomKey:
     return common_pb2.RoomKey(id=room, generation=generation)
 
@@ -400,6 +410,7 @@ def room_status(pb: engine_pb2.RoomStatus) -> RoomStatus:
         room=pb.room.id, generation=pb.room.generation, state=RoomState(pb.state),
         failure_code=_failure_name(pb.failure_code), failure_reason=pb.failure_reason,
         landed=tuple(landed(c) for c in pb.landed), aux=bytes(pb.aux), chunks_done=pb.chunks_done,
+        pages_fenced=pb.pages_fenced,
     )
 
 
@@ -408,7 +419,7 @@ def room_event(pb: engine_pb2.RoomEvent) -> RoomEvent:
         room=pb.room.id, generation=pb.room.generation, state=RoomState(pb.state),
         failure_code=_failure_name(pb.failure_code), failure_reason=pb.failure_reason,
         landed=landed(pb.landed) if pb.HasField("landed") else None, aux=bytes(pb.aux),
-        chunks_done=pb.chunks_done,
+        chunks_done=pb.chunks_done, pages_fenced=pb.pages_fenced,
     )
 
 

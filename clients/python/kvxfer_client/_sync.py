@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 
 from kvxfer_client._common import (
+    RELEASE_TIMEOUT_S,
     RING_READY_TIMEOUT_S,
     KvxferError,
     Landed,
@@ -201,7 +202,7 @@ class _EngineClient:
 
     def release(self, room: int, generation: int = 0) -> None:
         self._call(self.stub.ReleaseRoom, engine_pb2.ReleaseRoomRequest(
-            engine_id=self.engine_id, room=room_pb(room, generation)))
+            engine_id=self.engine_id, room=room_pb(room, generation)), max(self._timeout, RELEASE_TIMEOUT_S))
 
     def status(self) -> engine_pb2.DaemonStatus:
         return self._call(self.stub.GetStatus, engine_pb2.GetStatusRequest())

@@ -250,7 +250,7 @@ class LandedChunk(_message.Message):
     def __init__(self, chunk_id: _Optional[int] = ..., slot: _Optional[_Union[_common_pb2.Slot, _Mapping]] = ..., token_start: _Optional[int] = ..., num_tokens: _Optional[int] = ..., last: _Optional[bool] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class RoomStatus(_message.Message):
-    __slots__ = ("room", "state", "failure_code", "failure_reason", "landed", "aux", "chunks_done")
+    __slots__ = ("room", "state", "failure_code", "failure_reason", "landed", "aux", "chunks_done", "pages_fenced")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     FAILURE_CODE_FIELD_NUMBER: _ClassVar[int]
@@ -258,6 +258,7 @@ class RoomStatus(_message.Message):
     LANDED_FIELD_NUMBER: _ClassVar[int]
     AUX_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_DONE_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FENCED_FIELD_NUMBER: _ClassVar[int]
     room: _common_pb2.RoomKey
     state: _common_pb2.RoomState
     failure_code: _common_pb2.FailureCode
@@ -265,7 +266,8 @@ class RoomStatus(_message.Message):
     landed: _containers.RepeatedCompositeFieldContainer[LandedChunk]
     aux: bytes
     chunks_done: int
-    def __init__(self, room: _Optional[_Union[_common_pb2.RoomKey, _Mapping]] = ..., state: _Optional[_Union[_common_pb2.RoomState, str]] = ..., failure_code: _Optional[_Union[_common_pb2.FailureCode, str]] = ..., failure_reason: _Optional[str] = ..., landed: _Optional[_Iterable[_Union[LandedChunk, _Mapping]]] = ..., aux: _Optional[bytes] = ..., chunks_done: _Optional[int] = ...) -> None: ...
+    pages_fenced: bool
+    def __init__(self, room: _Optional[_Union[_common_pb2.RoomKey, _Mapping]] = ..., state: _Optional[_Union[_common_pb2.RoomState, str]] = ..., failure_code: _Optional[_Union[_common_pb2.FailureCode, str]] = ..., failure_reason: _Optional[str] = ..., landed: _Optional[_Iterable[_Union[LandedChunk, _Mapping]]] = ..., aux: _Optional[bytes] = ..., chunks_done: _Optional[int] = ..., pages_fenced: _Optional[bool] = ...) -> None: ...
 
 class WatchRoomsRequest(_message.Message):
     __slots__ = ("engine_id", "chunk_progress")
@@ -276,7 +278,7 @@ class WatchRoomsRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., chunk_progress: _Optional[bool] = ...) -> None: ...
 
 class RoomEvent(_message.Message):
-    __slots__ = ("room", "state", "failure_code", "failure_reason", "landed", "aux", "chunks_done")
+    __slots__ = ("room", "state", "failure_code", "failure_reason", "landed", "aux", "chunks_done", "pages_fenced")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     FAILURE_CODE_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +286,7 @@ class RoomEvent(_message.Message):
     LANDED_FIELD_NUMBER: _ClassVar[int]
     AUX_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_DONE_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FENCED_FIELD_NUMBER: _ClassVar[int]
     room: _common_pb2.RoomKey
     state: _common_pb2.RoomState
     failure_code: _common_pb2.FailureCode
@@ -291,7 +294,8 @@ class RoomEvent(_message.Message):
     landed: LandedChunk
     aux: bytes
     chunks_done: int
-    def __init__(self, room: _Optional[_Union[_common_pb2.RoomKey, _Mapping]] = ..., state: _Optional[_Union[_common_pb2.RoomState, str]] = ..., failure_code: _Optional[_Union[_common_pb2.FailureCode, str]] = ..., failure_reason: _Optional[str] = ..., landed: _Optional[_Union[LandedChunk, _Mapping]] = ..., aux: _Optional[bytes] = ..., chunks_done: _Optional[int] = ...) -> None: ...
+    pages_fenced: bool
+    def __init__(self, room: _Optional[_Union[_common_pb2.RoomKey, _Mapping]] = ..., state: _Optional[_Union[_common_pb2.RoomState, str]] = ..., failure_code: _Optional[_Union[_common_pb2.FailureCode, str]] = ..., failure_reason: _Optional[str] = ..., landed: _Optional[_Union[LandedChunk, _Mapping]] = ..., aux: _Optional[bytes] = ..., chunks_done: _Optional[int] = ..., pages_fenced: _Optional[bool] = ...) -> None: ...
 
 class WatermarkRequest(_message.Message):
     __slots__ = ("engine_id", "room", "chunk_ids")

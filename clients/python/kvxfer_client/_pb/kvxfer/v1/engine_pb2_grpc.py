@@ -209,7 +209,9 @@ class EngineServicer:
 
     def ReleaseRoom(self, request, context):
         """Either side: forgets a finished room (SUCCESS or FAILED); an unfinished
-        room is aborted first.
+        room is aborted first. A zero-copy decode room returns only once no WRITE can
+        land in its pages any more (pages_fenced false): at most a round trip to the
+        prefill daemon, or the credit quarantine (30 s) while that daemon is unreachable.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
