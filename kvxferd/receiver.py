@@ -361,6 +361,10 @@ class RecvSide:
         if room.finished or len(room.readers) != room.decode_tp:
             return
         if all(r.complete for r in room.readers.values()):
+            why = room.token_gap()
+            if why:
+                self.fail(room, FailureCode.MISMATCH, f"the prefill side completed the room, but {why}")
+                return
             room.advance(RoomState.SUCCESS)
             self.unfinished -= 1
             count_finished(self.metrics, room)
@@ -420,7 +424,6 @@ class RecvSide:
     # ------------------------------------------------------------------ failure and release
 
     def fail(self, room: RecvRoom, code: FailureCode, reason: str, push: bool = True, fence: bool = True) -> None:
-        """`fence` False: the prefill side said nothing of its is in flight any more."""
         if not room.fail(code, reason):
             return
         if fence and room.peer is not None and room.zero_copy:

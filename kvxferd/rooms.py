@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -211,10 +212,31 @@ class RecvRoom(RoomBase):
     def zero_copy(self) -> bool:
         return any(rs.engine.spec.zero_copy for rs in self.readers.values())
 
+    def token_gap(self) -> str:
+        """Why the landed chunks of a reader do not cover the room's tokens exactly once, or "":
+        a room whose chunks leave tokens out is no SUCCESS, whatever the prefill side says."""
+        for rank, rs in sorted(self.readers.items()):
+            why = token_gap(((s.token_start, s.num_tokens) for s in rs.slots.values()), self.num_tokens or 0)
+            if why:
+                return f"reader {rank}: {why}"
+        return ""
+
     def tokens_left(self, rank: int) -> int:
         """The room's tokens that no chunk has brought to reader `rank` yet."""
         rs = self.readers.get(rank)
         return 0 if rs is None else (self.num_tokens or 0) - sum(s.num_tokens for s in rs.slots.values())
+
+
+def token_gap(spans: Iterable[tuple[int, int]], total: int) -> str:
+    """Why chunks of one (writer or reader), as (token_start, num_tokens), do not cover the room's
+    `total` tokens exactly once each, or "" if they do."""
+    pos = 0
+    for start, n in sorted(spans):
+        if start != pos:
+            return (f"tokens [{pos}, {start}) were never sent" if start > pos
+                    else f"tokens [{start}, {min(pos, start + n)}) were sent twice")
+        pos += n
+    return f"tokens [{pos}, {total}) were never sent" if pos < total else ""
 
 
 def landed_view(cid: int, s: InSlot) -> LandedChunk:

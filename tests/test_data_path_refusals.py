@@ -248,3 +248,24 @@ async def test_a_restarted_decode_daemons_grants_are_not_taken_for_its_predecess
         assert window.held[new_id].revoked is False  # the new grant is usable
     finally:
         pool2.close()
+
+
+@pytest.mark.parametrize(("spans", "why"), [([(0, 8), (16, 8)], "[8, 16) were never sent"),
+                                            ([(0, 16), (8, 8), (16, 8)], "[8, 16) were sent twice"),
+                                            ([(0, 8), (8, 8)], "[16, 24) were never sent")])
+async def test_a_decode_room_whose_chunks_do_not_cover_its_tokens_is_no_success(
+        node: Node, spans: list[tuple[int, int]], why: str) -> None:
+    # Whatever the prefill daemon reports (an older one did not check its writers' chunks).
+    dec = engine(node, Role.DECODE, "d")
+    peer = Link("pre")
+    await expect_bootstrapped(node, dec, peer, 11, tokens=24)
+    room = node.recv.rooms[11]
+    (gid,) = node.ledger.grants
+    tb = part_bytes(LAY, 1, 0, 1)
+    for cid, (start, n) in enumerate(spans):
+        node.recv.landed(Notif(RoomKey(11), cid, 0, 0, start, n, cid == len(spans) - 1, gid, start * tb))
+    node.recv.complete(peer, RoomKey(11), 0, len(spans), b"")
+    assert room.state is RoomState.FAILED and room.failure_code is FailureCode.MISMATCH, room.state
+    assert why in room.failure_reason, room.failure_reason
+    (abort,) = peer.of("abort")
+    assert abort[0][0] == RoomKey(11)

@@ -183,3 +183,23 @@ def test_a_part_larger_than_the_readers_whole_ring_fails_its_room_at_once(pair: 
         for room in (20, 21):
             tx.release(room)
             rx.release(room)
+
+
+@pytest.mark.parametrize(("room", "spans", "why"), [
+    (30, ((0, 8), (16, 8)), "tokens [8, 16) were never sent"),
+    (31, ((0, 16), (8, 16)), "tokens [8, 16) were sent twice"),
+])
+def test_chunks_that_leave_tokens_out_or_send_them_twice_fail_the_room(
+        pair: tuple[DaemonProc, DaemonProc], room: int, spans: tuple[tuple[int, int], ...], why: str) -> None:
+    # An engine bug (sglang's repeated chunk id makes one): every chunk id up to the last one
+    # arrived, so the room used to be SUCCESS on both sides, with a hole in the decode side's KV.
+    pre, dec = pair
+    with PrefillSender(socket=pre.socket, group="tp1", layout=LAYOUT, ring_bytes=1 << 20) as tx, \
+            DecodeReceiver(socket=dec.socket, group=f"d{room}", layout=LAYOUT, ring_bytes=1 << 20) as rx:
+        rx.expect(room, pre.peer_address, "tp1", 24)
+        for i, (start, n) in enumerate(spans):
+            tx.send_chunk(room, i, start, n, bytes([i + 1]) * (n * 2 * HEAD_TOKEN), last=i == len(spans) - 1)
+        for failed in (lambda: rx.receive(room, timeout=30), lambda: tx.wait(room, timeout=30)):
+            with pytest.raises(RoomFailed) as ei:
+                failed()
+            assert ei.value.failure_code == "MISMATCH" and why in ei.value.reason, ei.value
