@@ -33,8 +33,8 @@ logger = logging.getLogger(__name__)
 @dataclass(eq=False)
 class _Fence:
     room: RecvRoom
-    peer: Link
-    instance: str  # the prefill daemon instance whose WRITEs may still land
+    peer: Link  # the room's prefill daemon, whose WRITEs may still land
+    instance: str  # its instance when the room failed
     timer: asyncio.TimerHandle
     waiters: list[asyncio.Future[None]] = field(default_factory=list)
 
@@ -46,11 +46,10 @@ class PageFence:
         self._events = metrics.page_fences
         self._fences: dict[RoomKey, _Fence] = {}
 
-    def __len__(self) -> int:
-        return len(self._fences)
-
-    def close(self, room: RecvRoom, peer: Link) -> None:
-        """The room failed with WRITEs from `peer` possibly on their way to its pages."""
+    def close(self, room: RecvRoom) -> None:
+        """The room failed with WRITEs from its prefill daemon possibly on their way to its pages."""
+        peer = room.peer
+        assert peer is not None
         if room.key in self._fences:
             return
         room.pages_fenced = True

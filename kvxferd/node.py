@@ -242,7 +242,8 @@ class Node:
             # The engine reuses the room's pages once this returns: not while a WRITE may land there.
             await self.recv.fence.wait(room.key)
             try:
-                room = self._own_room(self.engines.get(engine_id), key)
+                eng = self.engines.get(engine_id)
+                room = self._own_room(eng, key)
             except NotFound:
                 return  # released meanwhile (a second call), or the engine is gone
         if isinstance(room, SendRoom):

@@ -427,7 +427,7 @@ class RecvSide:
         if not room.fail(code, reason):
             return
         if fence and room.peer is not None and room.zero_copy:
-            self.fence.close(room, room.peer)
+            self.fence.close(room)
         self.unfinished -= 1
         logger.warning("room %s: decode side FAILED (%s): %s", room.key, code.name, reason)
         self.metrics.room_failures.labels(reason=code.name).inc()
