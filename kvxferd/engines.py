@@ -151,6 +151,14 @@ class EngineTable:
     def group(self, group: str, role: Role) -> list[Engine]:
         return [e for e in self.engines.values() if e.spec.group == group and e.role is role and not e.closing]
 
+    def group_spec(self, group: str, role: Role) -> EngineSpec | None:
+        """The spec of an engine of the group (its ranks share layout and TP size), without
+        building the group's list: asked once per new room."""
+        for e in self.engines.values():
+            if e.spec.group == group and e.role is role and not e.closing:
+                return e.spec
+        return None
+
     def require_serving(self) -> None:
         if not self.serving:
             raise Unavailable("daemon is draining and accepts no new work")

@@ -55,10 +55,9 @@ class SendSide:
     # ------------------------------------------------------------------ rooms
 
     def _new_room(self, key: RoomKey, group: str) -> SendRoom:
-        engines = self.engines.group(group, Role.PREFILL)
-        if not engines:
+        spec = self.engines.group_spec(group, Role.PREFILL)
+        if spec is None:
             raise NotFound(f"no prefill engine of group {group!r} is registered on this daemon")
-        spec = engines[0].spec
         room = SendRoom(key, self.config.room_deadline_s, group, spec.parallel.tp_size, spec.layout)
         self.rooms[key.id] = room
         self.clock.arm_deadline(room, self.config.room_deadline_s, self._deadline)
