@@ -13,7 +13,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,16 +148,17 @@ class EngineTable:
             raise FailedPrecondition(f"engine {engine_id!r} is a {eng.role.name.lower()} engine")
         return eng
 
+    def _members(self, group: str, role: Role) -> Iterator[Engine]:
+        return (e for e in self.engines.values() if e.spec.group == group and e.role is role and not e.closing)
+
     def group(self, group: str, role: Role) -> list[Engine]:
-        return [e for e in self.engines.values() if e.spec.group == group and e.role is role and not e.closing]
+        return list(self._members(group, role))
 
     def group_spec(self, group: str, role: Role) -> EngineSpec | None:
         """The spec of an engine of the group (its ranks share layout and TP size), without
         building the group's list: asked once per new room."""
-        for e in self.engines.values():
-            if e.spec.group == group and e.role is role and not e.closing:
-                return e.spec
-        return None
+        first = next(self._members(group, role), None)
+        return None if first is None else first.spec
 
     def require_serving(self) -> None:
         if not self.serving:

@@ -142,6 +142,15 @@ class SendRoom(RoomBase):
     def held_source_slots(self) -> int:
         return sum(1 for w in self.writers.values() for c in w.chunks.values() if not c.slot_freed)
 
+    def token_gap(self) -> str:
+        """Why the chunks of a writer do not cover the room's tokens exactly once, or "" (as
+        RecvRoom.token_gap for the readers)."""
+        for rank, w in sorted(self.writers.items()):
+            why = token_gap(((c.spec.token_start, c.spec.num_tokens) for c in w.chunks.values()), self.num_tokens or 0)
+            if why:
+                return f"prefill rank {rank}'s chunks end the room, but {why}"
+        return ""
+
 
 @dataclass(eq=False)
 class InSlot:

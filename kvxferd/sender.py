@@ -19,7 +19,7 @@ from kvxferd.layout import KVLayout, plan, rank_heads
 from kvxferd.limits import MAX_GROUP, ROOMS_PER_ENGINE, ROOMS_PER_PEER, TOMBSTONES
 from kvxferd.metrics import Metrics
 from kvxferd.ports import Link
-from kvxferd.rooms import OutChunk, RoomBase, SendRoom, WriterState, token_gap
+from kvxferd.rooms import OutChunk, RoomBase, SendRoom, WriterState
 from kvxferd.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -327,12 +327,10 @@ class SendSide:
             if len(last_ids) != 1:
                 self.fail(room, FailureCode.MISMATCH, f"writers disagree on the last chunk: {last_ids}")
                 return
-            for rank, wr in sorted(room.writers.items()):
-                why = token_gap(((c.spec.token_start, c.spec.num_tokens) for c in wr.chunks.values()),
-                                room.num_tokens or 0)
-                if why:
-                    self.fail(room, FailureCode.MISMATCH, f"prefill rank {rank}'s chunks end the room, but {why}")
-                    return
+            why = room.token_gap()
+            if why:
+                self.fail(room, FailureCode.MISMATCH, why)
+                return
             assert room.peer is not None and room.decode_tp is not None
             room.complete_sent = True
             last = last_ids.pop()
