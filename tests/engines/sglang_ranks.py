@@ -145,9 +145,11 @@ def prefill_rank(socket: str, port: int, tp: int, rank: int, plans: list[RoomPla
         for i, plan in enumerate(plans):
             sender = KvxferdKVSender(mgr, f"127.0.0.1:{port}", plan.room)
             got = _wait(sender, {KVPoll.WaitingForInput})
-            if got == KVPoll.Failed and plan.abort_after >= 0 and "aborted by engine" in sender._error:
-                # Another rank got here first and aborted the room (the plan says it does): a rank
-                # that comes later sees it failed, as sglang's scheduler would, and sends nothing.
+            fails = plan.abort_after >= 0 or plan.repeat_chunk >= 0
+            if got == KVPoll.Failed and fails and "aborted by engine" in sender._error:
+                # Another rank got here first and failed the room (the plan says it does: an abort,
+                # or a repeated chunk the daemon refuses): a rank that comes later sees it failed,
+                # as sglang's scheduler would, and sends nothing.
                 results[plan.room] = "Failed"
                 sender.clear()
                 continue
