@@ -72,6 +72,10 @@ async def fault_control(path: str, injector: FaultInjector, delays: PostDelay, t
                 # Never through a symlink, and never more than a command's worth.
                 with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)) as fh:
                     text = fh.read(256)
+                if not text:
+                    # `echo cmd > file` creates the file before it writes: taking it now would
+                    # lose the command. Read it again next tick (tests rename a whole file in).
+                    continue
                 os.unlink(path)
             except FileNotFoundError:
                 continue

@@ -24,6 +24,7 @@ from kvxferd.domain import DaemonRef
 from kvxferd.peer_servicer import SPARE_WIRE_STREAMS
 from kvxferd.peer_wire import BATCH, FRAME, REFUSE
 from tests.conftest import DaemonProc, spawn_daemon
+from tests.faults.harness import fault_command
 from tests.peer_client import Client, Wire, code_of, nixl_agent, one_room, peer_streams, running, secret_file, status
 
 
@@ -145,7 +146,7 @@ def test_a_framed_port_that_goes_away_leaves_the_session_rpc(fleet: Fleet) -> No
     # Both ports close, as a firewall opened for the peer port only would have it: the stream
     # between them breaks, and every dial of a framed stream from now on is refused.
     for d in (fa, fb):
-        Path(d.socket + ".faults").write_text("stream-off")
+        fault_command(d, "stream-off")
     # The next room starts once the Session RPC carries the pair: on a loaded machine the switch
     # can outlast the peer timeout (1.1 s here), and a room started in between failed PEER_LOST.
     deadline = time.monotonic() + 10
@@ -164,7 +165,7 @@ def test_a_stream_is_given_the_handshake_time_to_be_taken_up(fleet: Fleet) -> No
     # fc takes up every stream 2 s late (a loaded node, a slow NIXL metadata load): longer than the
     # 1 s heartbeat limit, shorter than the handshake's 5 s. The decode side (fd) dials fc for the
     # room's bootstrap and hears nothing on its new stream meanwhile; it must not call fc lost.
-    Path(fc.socket + ".faults").write_text("slow-accept 2")
+    fault_command(fc, "slow-accept 2")
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and "streams are taken up 2 s late" not in fc.log_text():
         time.sleep(0.05)
@@ -173,7 +174,7 @@ def test_a_stream_is_given_the_handshake_time_to_be_taken_up(fleet: Fleet) -> No
     assert time.monotonic() - t0 >= 1.5, "the stream was taken up at once: the fault did not hold it"
     assert "accepting the stream from" in fc.log_text()
     assert "no word for" not in fd.log_text() + fc.log_text(), "a stream not taken up yet was called lost"
-    Path(fc.socket + ".faults").write_text("slow-accept 0")
+    fault_command(fc, "slow-accept 0")
     one_room(fd, fc, 31)
 
 
