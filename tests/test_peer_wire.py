@@ -24,7 +24,7 @@ from kvxferd.domain import DaemonRef
 from kvxferd.peer_servicer import SPARE_WIRE_STREAMS
 from kvxferd.peer_wire import BATCH, FRAME, REFUSE
 from tests.conftest import DaemonProc, spawn_daemon
-from tests.faults.harness import fault_command
+from tests.faults.harness import fault_command, wait_until
 from tests.peer_client import Client, Wire, code_of, nixl_agent, one_room, peer_streams, running, secret_file, status
 
 
@@ -149,11 +149,9 @@ def test_a_framed_port_that_goes_away_leaves_the_session_rpc(fleet: Fleet) -> No
         fault_command(d, "stream-off")
     # The next room starts once the Session RPC carries the pair: on a loaded machine the switch
     # can outlast the peer timeout (1.1 s here), and a room started in between failed PEER_LOST.
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not (
-            "framed control stream's port is closed" in fb.log_text()
-            and peer_streams(fa).get("grpc", 0) + peer_streams(fb).get("grpc", 0) >= 1):
-        time.sleep(0.05)
+    wait_until(lambda: "framed control stream's port is closed" in fb.log_text()
+               and peer_streams(fa).get("grpc", 0) + peer_streams(fb).get("grpc", 0) >= 1,
+               10, "the pair to move to the Session RPC", every=0.05)
     one_room(fb, fa, 21)
     one_room(fa, fb, 22)
     assert peer_streams(fa).get("grpc", 0) >= 1 and peer_streams(fb).get("grpc", 0) >= 1
@@ -166,9 +164,7 @@ def test_a_stream_is_given_the_handshake_time_to_be_taken_up(fleet: Fleet) -> No
     # 1 s heartbeat limit, shorter than the handshake's 5 s. The decode side (fd) dials fc for the
     # room's bootstrap and hears nothing on its new stream meanwhile; it must not call fc lost.
     fault_command(fc, "slow-accept 2")
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and "streams are taken up 2 s late" not in fc.log_text():
-        time.sleep(0.05)
+    wait_until(lambda: "streams are taken up 2 s late" in fc.log_text(), 10, "the slow-accept fault", every=0.05)
     t0 = time.monotonic()
     one_room(fc, fd, 30)
     assert time.monotonic() - t0 >= 1.5, "the stream was taken up at once: the fault did not hold it"
