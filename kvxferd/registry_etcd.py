@@ -2,11 +2,14 @@
 
 One key per daemon, `<prefix>/daemons/<daemon_id>`, holding its `DaemonRecord` as JSON and
 attached to a lease of `registry_lease_ttl_s`: a daemon that dies stops renewing and etcd deletes
-its record a TTL later. A session is: grant a lease, put our record, read the prefix, watch it from
-the revision read, renew the lease every third of the TTL, and put the record again whenever our
-engine groups change. Anything going wrong ends the session; the next one starts after a back-off,
-with a fresh lease, so a daemon re-registers by itself when etcd returns. The cache survives
-sessions: while etcd is away, lookups are served from what was last seen.
+its record a TTL later. A session is: keep our lease if etcd still has it (else grant one and put
+our record), watch the prefix from the last revision we saw (read it whole only the first time or
+when that revision was compacted), renew the lease every third of the TTL, and put the record again
+whenever our engine groups change. Anything going wrong ends the session; the next one starts after
+a jittered back-off, which starts over after a healthy session. After an etcd blip a fleet thus
+costs etcd one lease check and one watch per daemon, not a re-registration and a whole-fleet read
+each (the storm that did not settle in 295 s at 300 daemons). The cache survives sessions: while
+etcd is away, lookups are served from what was last seen.
 
 We use aetcd's etcd v3 stubs (`aetcd.rpc`) on our own `grpc.aio` channel rather than its
 `Client`: the client dials one endpoint without TLS, and its watcher hides stream errors we need
@@ -22,7 +25,6 @@ import random
 import socket
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -38,54 +40,38 @@ from kvxferd.registry import (
     FleetCache,
     GroupLocation,
     GroupRecord,
+    PendingGone,
     all_ranks,
     layout_digest,
     wait_for_group,
 )
+from kvxferd.registry_wire import RegistryUnavailable as RegistryUnavailable
+from kvxferd.registry_wire import daemons_prefix, open_channel, prefix_end
+from kvxferd.registry_wire import read_fleet as read_fleet
 
 logger = logging.getLogger(__name__)
 
 _PUT, _DELETE = 0, 1  # mvccpb.Event.EventType
 BACKOFF_MIN_S, BACKOFF_MAX_S = 0.2, 5.0
+# A session up this long was healthy: the next reconnect starts from BACKOFF_MIN_S again. Shorter
+# ones (etcd flapping) keep doubling, so a flapping etcd is not hammered every 0.2 s.
+HEALTHY_SESSION_S = 2.0
 # Engine registrations come in bursts (every TP rank of a group at once): one put per burst.
 PUBLISH_COALESCE_S = 0.05
-
-
-class RegistryUnavailable(RuntimeError):
-    """etcd could not be reached and the config says the registry is required."""
 
 
 class _SessionEnded(Exception):
     """The lease or the watch is gone; a new session re-registers."""
 
 
-def prefix_end(prefix: bytes) -> bytes:
-    """etcd's range end for "every key starting with prefix"."""
-    b = bytearray(prefix)
-    while b and b[-1] == 0xFF:
-        b.pop()
-    if not b:
-        return b"\0"
-    b[-1] += 1
-    return bytes(b)
+class _Compacted(Exception):
+    """The revision a watch was to resume from is compacted away: read the prefix whole."""
 
 
-def open_channel(config: Config, endpoint: str) -> grpc.aio.Channel:
-    # Keep-alive pings let a half-open TCP connection to a partitioned etcd fail within seconds.
-    opts = [("grpc.keepalive_time_ms", 2000), ("grpc.keepalive_timeout_ms", 2000),
-            ("grpc.keepalive_permit_without_calls", 1)]
-    if config.registry_tls_ca or config.registry_tls_cert:
-        creds = grpc.ssl_channel_credentials(
-            root_certificates=Path(config.registry_tls_ca).read_bytes() if config.registry_tls_ca else None,
-            private_key=Path(config.registry_tls_key).read_bytes() if config.registry_tls_key else None,
-            certificate_chain=Path(config.registry_tls_cert).read_bytes() if config.registry_tls_cert else None,
-        )
-        return grpc.aio.secure_channel(endpoint, creds, options=opts)
-    return grpc.aio.insecure_channel(endpoint, options=opts)
-
-
-def daemons_prefix(config: Config) -> bytes:
-    return f"{config.registry_prefix}/daemons/".encode()
+def gone_grace_s(config: Config) -> float:
+    """How long after a lease lapses its live owner may take to put its record again: its longest
+    back-off, then a lease check (or grant) and a put, each up to timeout_s."""
+    return 1.5 * BACKOFF_MAX_S + 2 * config.registry_timeout_s
 
 
 def local_record(engines: EngineTable, ident: Identity, config: Config, started_unix: float) -> DaemonRecord:
@@ -131,8 +117,19 @@ class EtcdRegistry:
         self.sessions = 0
         self._endpoint = 0
         self._lease = 0
+        # The record as last put under self._lease: a session that keeps the lease puts only a change.
+        self._published: bytes | None = None
+        # The newest revision whose events the cache holds: the next watch resumes after it (0: read whole).
+        self._rev = 0
         self._channel: grpc.aio.Channel | None = None
         self._stopping = False
+        self.backoffs: list[float] = []  # the sleeps before each reconnect (status, tests)
+        self.counts = {"lease_grants": 0, "leases_kept": 0, "puts": 0, "full_reads": 0, "resumes": 0,
+                       "gone_reported": 0}
+        self._pending_gone = PendingGone(self._report_gone)
+        # Until then, a record deleted is reported gone only if its owner has not re-registered by then.
+        self._recovering_until = 0.0
+        self._me: DaemonRecord | None = None
 
     # ------------------------------------------------------------------ what the core calls
 
@@ -152,6 +149,7 @@ class EtcdRegistry:
     async def stop(self) -> None:
         """Revokes the lease first (peers see us leave at once, not a TTL later), then stops."""
         self._stopping = True
+        self._pending_gone.clear()
         if self._channel is not None and self._lease and self._up.is_set():
             try:
                 await rpc.LeaseStub(self._channel).LeaseRevoke(rpc.LeaseRevokeRequest(ID=self._lease), timeout=1.0)
@@ -189,8 +187,9 @@ class EtcdRegistry:
     def status(self) -> dict[str, object]:
         return {
             "backend": "etcd", "state": "up" if self._up.is_set() else "degraded", "reason": self.reason,
-            "since_s": round(time.monotonic() - self.since, 3), "daemons": len(self.cache.records()),
+            "since_s": round(time.monotonic() - self.since, 3), "daemons": len(self.cache),
             "sessions": self.sessions, "endpoint": self._cfg.registry_endpoints[self._endpoint],
+            "revision": self._rev, **self.counts, "gone_withdrawn": self._pending_gone.withdrawn,
         }
 
     @property
@@ -210,6 +209,10 @@ class EtcdRegistry:
             self._m.registry_up.labels(backend="etcd").set(1)
             if self.sessions > 1:
                 self._m.registry_reconnects.inc()
+                # Every daemon reconnects after an etcd blip, some only after their back-off (up to
+                # 1.5 x BACKOFF_MAX_S) and a lease check: a record deleted meanwhile may be a lease
+                # that lapsed while its live owner was away, so it gets until then to come back.
+                self._recovering_until = time.monotonic() + self._cfg.registry_lease_ttl_s + gone_grace_s(self._cfg)
             logger.info("registry: registered in etcd %s as %s (lease %x)",
                         self._cfg.registry_endpoints[self._endpoint], self._local().daemon_id, self._lease)
             if self._on_state is not None:
@@ -235,34 +238,38 @@ class EtcdRegistry:
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError as exc:
-                self._set_down(f"etcd {endpoint}: {exc.code().name}: {(exc.details() or '')[:200]}")
+                self._end_session(f"etcd {endpoint}: {exc.code().name}: {(exc.details() or '')[:200]}")
             except Exception as exc:
-                self._set_down(f"etcd {endpoint}: {exc}")
-            if self.sessions and self._up.is_set():
+                self._end_session(f"etcd {endpoint}: {exc}")
+            if self._healthy:
                 backoff = BACKOFF_MIN_S
             self._endpoint = (self._endpoint + 1) % len(self._cfg.registry_endpoints)
-            # Jittered: after an etcd outage a whole fleet must not re-register in one burst.
-            await asyncio.sleep(backoff * random.uniform(0.5, 1.5))
+            # Jittered: after an etcd outage a whole fleet must not reconnect in one burst.
+            sleep = backoff * random.uniform(0.5, 1.5)
+            self.backoffs.append(round(sleep, 3))
+            del self.backoffs[:-32]
+            await asyncio.sleep(sleep)
             backoff = min(backoff * 2, BACKOFF_MAX_S)
 
+    def _end_session(self, reason: str) -> None:
+        # Read before _set_down clears _up: was the session that just ended a healthy one?
+        self._healthy = self._up.is_set() and time.monotonic() - self.since >= HEALTHY_SESSION_S
+        self._set_down(reason)
+
+    _healthy = False
+
     async def _session(self, endpoint: str) -> None:
-        t = self._cfg.registry_timeout_s
+        self._healthy = False
         self._channel = channel = open_channel(self._cfg, endpoint)
         try:
             kv, lease = rpc.KVStub(channel), rpc.LeaseStub(channel)
-            grant = await lease.LeaseGrant(rpc.LeaseGrantRequest(TTL=self._cfg.registry_lease_ttl_s), timeout=t)
-            if grant.error:
-                raise _SessionEnded(f"lease not granted: {grant.error}")
-            self._lease = grant.ID
+            await self._lease_for_session(lease)
             self.sessions += 1
-            await self._publish(kv)
-            got = await kv.Range(rpc.RangeRequest(key=self._prefix, range_end=prefix_end(self._prefix)), timeout=t)
-            self._load(got.kvs)
-            watch_from = got.header.revision + 1
-            self._set_up()
+            if self._published != self._local().to_json():
+                await self._publish(kv)
             loops = [
                 asyncio.ensure_future(self._keepalive(lease)),
-                asyncio.ensure_future(self._watch(rpc.WatchStub(channel), watch_from)),
+                asyncio.ensure_future(self._watch(kv, rpc.WatchStub(channel))),
                 asyncio.ensure_future(self._publisher(kv)),
             ]
             try:
@@ -278,18 +285,37 @@ class EtcdRegistry:
             self._channel = None
             await channel.close()
 
+    async def _lease_for_session(self, lease: rpc.LeaseStub) -> None:
+        """Keeps the lease of the last session if etcd still has it (etcd extends every lease by its
+        TTL when it comes back, so after a blip it usually does): our record is then still there and
+        peers see nothing. Else a fresh lease, and the record is put again."""
+        t = self._cfg.registry_timeout_s
+        if self._lease:
+            left = await lease.LeaseTimeToLive(rpc.LeaseTimeToLiveRequest(ID=self._lease), timeout=t)
+            if left.TTL > 0:
+                self.counts["leases_kept"] += 1
+                return
+        grant = await lease.LeaseGrant(rpc.LeaseGrantRequest(TTL=self._cfg.registry_lease_ttl_s), timeout=t)
+        if grant.error:
+            raise _SessionEnded(f"lease not granted: {grant.error}")
+        self._lease, self._published = grant.ID, None
+        self.counts["lease_grants"] += 1
+
     async def _publish(self, kv: rpc.KVStub) -> None:
         rec = self._local()
+        raw = rec.to_json()
         key = self._prefix + rec.daemon_id.encode()
-        await kv.Put(rpc.PutRequest(key=key, value=rec.to_json(), lease=self._lease),
-                     timeout=self._cfg.registry_timeout_s)
+        await kv.Put(rpc.PutRequest(key=key, value=raw, lease=self._lease), timeout=self._cfg.registry_timeout_s)
+        self._published = raw
+        self.counts["puts"] += 1
 
     async def _publisher(self, kv: rpc.KVStub) -> None:
         while True:
             await self._dirty.wait()
             await asyncio.sleep(PUBLISH_COALESCE_S)
             self._dirty.clear()
-            await self._publish(kv)
+            if self._published != self._local().to_json():
+                await self._publish(kv)
 
     async def _keepalive(self, lease: rpc.LeaseStub) -> None:
         t = self._cfg.registry_timeout_s
@@ -309,7 +335,25 @@ class EtcdRegistry:
         finally:
             call.cancel()
 
-    async def _watch(self, stub: rpc.WatchStub, start_revision: int) -> None:
+    async def _watch(self, kv: rpc.KVStub, stub: rpc.WatchStub) -> None:
+        """Follows the prefix from the last revision seen; reads it whole only when there is none
+        (first session) or etcd compacted it away."""
+        while True:
+            if self._rev:
+                self.counts["resumes"] += 1
+            else:
+                got = await kv.Range(rpc.RangeRequest(key=self._prefix, range_end=prefix_end(self._prefix)),
+                                     timeout=self._cfg.registry_timeout_s)
+                self.counts["full_reads"] += 1
+                self._load(got.kvs)
+                self._rev = got.header.revision
+            try:
+                await self._follow(stub, self._rev + 1)
+            except _Compacted as exc:
+                logger.warning("registry: %s; reading the fleet whole", exc)
+                self._rev = 0
+
+    async def _follow(self, stub: rpc.WatchStub, start_revision: int) -> None:
         call = stub.Watch()
         try:
             await call.write(rpc.WatchRequest(create_request=rpc.WatchCreateRequest(
@@ -319,10 +363,19 @@ class EtcdRegistry:
                 resp = await call.read()
                 if resp is grpc.aio.EOF:
                     raise _SessionEnded("watch stream closed by etcd")
-                if resp.canceled or resp.compact_revision:
-                    raise _SessionEnded(f"watch cancelled: {resp.cancel_reason or 'compacted'}")
+                if resp.compact_revision:
+                    raise _Compacted(f"revision {start_revision} is compacted (etcd keeps {resp.compact_revision}+)")
+                if resp.canceled:
+                    raise _SessionEnded(f"watch cancelled: {resp.cancel_reason}")
+                if resp.created:
+                    self._set_up()
                 for ev in resp.events:
                     self._event(ev)
+                    # Event revisions, not the header's: a catching-up watch sends a long history in
+                    # batches whose header already names the newest revision.
+                    self._rev = max(self._rev, ev.kv.mod_revision)
+                if resp.events:
+                    self._m.registry_daemons.set(len(self.cache))
         finally:
             call.cancel()
 
@@ -347,13 +400,14 @@ class EtcdRegistry:
         for rec in recs:
             old = self.cache.get(rec.daemon_id)
             if old is not None and old.instance_id != rec.instance_id:
-                self._gone(old.daemon_id, old.instance_id, "restarted (new instance in the registry)")
+                self._report_gone(old.daemon_id, old.instance_id, "restarted (new instance in the registry)")
+            self._pending_gone.came_back(rec)
         self.cache.replace_all(recs)
-        self._m.registry_daemons.set(len(recs))
+        self._m.registry_daemons.set(len(self.cache))
 
     def _event(self, ev: Any) -> None:
         key = bytes(ev.kv.key)
-        me = self._local()
+        me = self._me = self._me or self._local()  # its ids never change; the groups are not read here
         if ev.type == _PUT:
             rec = self._decode(key, bytes(ev.kv.value))
             if rec is None:
@@ -363,15 +417,25 @@ class EtcdRegistry:
                              rec.instance_id, rec.address, rec.daemon_id)
             old = self.cache.put(rec)
             if old is not None and old.instance_id != rec.instance_id:
-                self._gone(old.daemon_id, old.instance_id, "restarted (new instance in the registry)")
+                self._report_gone(old.daemon_id, old.instance_id, "restarted (new instance in the registry)")
+            self._pending_gone.came_back(rec)
         elif ev.type == _DELETE:
             daemon_id = key[len(self._prefix):].decode(errors="replace")
             if daemon_id == me.daemon_id and not self._stopping:
+                self._published = None
                 raise _SessionEnded("our record was deleted")
             old = self.cache.delete(daemon_id)
-            if old is not None:
-                self._gone(old.daemon_id, old.instance_id, "its registry record was deleted (lease expired or revoked)")
-        self._m.registry_daemons.set(len(self.cache.records()))
+            if old is None:
+                return
+            why = "its registry record was deleted (lease expired or revoked)"
+            if time.monotonic() < self._recovering_until:
+                self._pending_gone.hold(old, why, self._recovering_until)
+            else:
+                self._report_gone(old.daemon_id, old.instance_id, why)
+
+    def _report_gone(self, daemon_id: str, instance_id: str, why: str) -> None:
+        self.counts["gone_reported"] += 1
+        self._gone(daemon_id, instance_id, why)
 
 
 def make_registry(
@@ -384,28 +448,3 @@ def make_registry(
     started = time.time()
     return EtcdRegistry(config, lambda: local_record(engines, ident, config, started), on_daemon_gone, metrics,
                         on_state)
-
-
-async def read_fleet(config: Config) -> list[tuple[DaemonRecord, int]]:
-    """Every daemon record (with its lease's remaining TTL) for `kvxferd status --fleet`."""
-    errors = []
-    for endpoint in config.registry_endpoints:
-        channel = open_channel(config, endpoint)
-        try:
-            prefix = daemons_prefix(config)
-            t = config.registry_timeout_s
-            got = await rpc.KVStub(channel).Range(rpc.RangeRequest(key=prefix, range_end=prefix_end(prefix)), timeout=t)
-            out = []
-            for kv in got.kvs:
-                try:
-                    rec = DaemonRecord.from_json(bytes(kv.value))
-                except ValueError:
-                    continue
-                ttl = await rpc.LeaseStub(channel).LeaseTimeToLive(rpc.LeaseTimeToLiveRequest(ID=kv.lease), timeout=t)
-                out.append((rec, int(ttl.TTL)))
-            return sorted(out, key=lambda x: x[0].daemon_id)
-        except grpc.aio.AioRpcError as exc:
-            errors.append(f"{endpoint}: {exc.code().name}")
-        finally:
-            await channel.close()
-    raise RegistryUnavailable(f"etcd unreachable ({'; '.join(errors)})")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
@@ -96,3 +97,60 @@ def registry_args(e: Etcd, ttl: int = 2) -> list[str]:
     """Flags that put a subprocess daemon in the fleet registry of `e`."""
     return ["--set", "registry_backend=etcd", "--set", f"registry_endpoints={e.endpoint}",
             "--set", f"registry_lease_ttl_s={ttl}", "--set", "registry_timeout_s=1"]
+
+
+class Gate:
+    """A TCP forwarder to etcd that can be cut: a partition between one registry client and etcd
+    while etcd itself and every other client go on. Runs in the test's event loop."""
+
+    def __init__(self, target: Etcd) -> None:
+        self.target = target
+        self.open = True
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+
+    async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not self.open:
+            writer.transport.abort()
+            return
+        try:
+            up_r, up_w = await asyncio.open_connection("127.0.0.1", self.target.client_port)
+        except OSError:
+            writer.transport.abort()
+            return
+        self._writers |= {writer, up_w}
+        await asyncio.gather(self._pipe(reader, up_w), self._pipe(up_r, writer), return_exceptions=True)
+        for w in (writer, up_w):
+            self._writers.discard(w)
+            w.transport.abort()
+
+    @staticmethod
+    async def _pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while data := await r.read(65536):
+            w.write(data)
+            await w.drain()
+        w.transport.abort()
+
+    def cut(self) -> None:
+        """Resets every connection through the gate and refuses new ones until heal()."""
+        self.open = False
+        for w in list(self._writers):
+            w.transport.abort()
+
+    def heal(self) -> None:
+        self.open = True
+
+    async def close(self) -> None:
+        self.cut()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()

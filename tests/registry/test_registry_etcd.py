@@ -1,5 +1,6 @@
 """The etcd registry on a real etcd server, driven in-process: records, leases, the watch-fed
-cache, lookups by group, and etcd going away and coming back."""
+cache, lookups by group, and etcd going away and coming back (whole, or for one client through a
+`Gate`)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,16 @@ import time
 from dataclasses import replace
 from typing import Any
 
+import grpc
 import pytest
+from aetcd import rpc
 
 from kvxferd.config import load_config
 from kvxferd.errors import Unavailable
 from kvxferd.metrics import Metrics
 from kvxferd.registry import DaemonRecord, GroupRecord
-from kvxferd.registry_etcd import EtcdRegistry, RegistryUnavailable, read_fleet
-from tests.registry.conftest import Etcd, free_port
+from kvxferd.registry_etcd import BACKOFF_MIN_S, HEALTHY_SESSION_S, EtcdRegistry, RegistryUnavailable, read_fleet
+from tests.registry.conftest import Etcd, Gate, free_port
 
 
 def cfg(endpoint: str, ttl: int = 1, **kw: Any) -> Any:
@@ -141,7 +144,7 @@ async def test_etcd_down_then_back(etcd: Etcd) -> None:
     await a.reg.start()
     await b.reg.start()
     try:
-        await until(lambda: a.reg.cache.get("b") is not None and bool(a.reg.cache.get("b").groups))  # type: ignore[union-attr]
+        await until(lambda: a.reg.up and a.reg.cache.get("b") is not None and bool(a.reg.cache.get("b").groups))  # type: ignore[union-attr]
         etcd.kill()
         await until(lambda: not a.reg.up, timeout=5, what="a notices etcd is gone")
         assert a.states[-1] is False and a.gauge("kvxferd_registry_up", backend="etcd") == 0
@@ -179,3 +182,121 @@ async def test_required_registry_refuses_to_start_without_etcd() -> None:
     await asyncio.sleep(0.3)
     assert "UNAVAILABLE" in e.reg.reason
     await e.reg.stop()
+
+
+async def test_blips_keep_leases_resume_the_watch_and_reset_the_backoff(etcd: Etcd) -> None:
+    # Leases longer than the back-off can grow over a blip (up to 1.5 x 5 s), as by default (10 s).
+    a, b = Daemon(etcd.endpoint, "a", ttl=10), Daemon(etcd.endpoint, "b", ttl=10)
+    await a.reg.start()
+    await b.reg.start()
+    try:
+        await until(lambda: a.reg.up and b.reg.up and a.reg.cache.get("b") is not None, what="registered")
+        await asyncio.sleep(HEALTHY_SESSION_S)
+        for blip in range(2):
+            n = len(a.reg.backoffs)
+            etcd.kill()
+            await until(lambda: not a.reg.up and not b.reg.up, timeout=5, what="both notice etcd is gone")
+            if blip == 0:
+                b.set_groups(group("during"))  # changed while etcd was away: put once it is back
+            await until(lambda n=n: len(a.reg.backoffs) > n, what="a's first reconnect attempt")
+            # The session before was healthy: the back-off starts over (it used to keep growing).
+            assert a.reg.backoffs[n] <= BACKOFF_MIN_S * 1.5, a.reg.backoffs
+            await asyncio.sleep(1.0)
+            await asyncio.to_thread(etcd.start)
+            await until(lambda: a.reg.up and b.reg.up, timeout=15, what="both back")
+            await asyncio.sleep(HEALTHY_SESSION_S)
+        # etcd kept both leases (it extends them when it comes back): no new lease, no re-put of
+        # an unchanged record, no whole-fleet read, the watch resumed where it was.
+        for d in (a, b):
+            assert {k: d.reg.counts[k] for k in ("lease_grants", "leases_kept", "full_reads", "resumes")} == {
+                "lease_grants": 1, "leases_kept": 2, "full_reads": 1, "resumes": 2}, d.reg.status()
+        assert (a.reg.counts["puts"], b.reg.counts["puts"]) == (1, 2)
+        await until(lambda: [g.group for g in (a.reg.cache.get("b") or b.record).groups] == ["during"],
+                    what="a sees b's change made while etcd was away")
+        assert a.gone == [] and b.gone == []
+    finally:
+        await a.reg.stop()
+        await b.reg.stop()
+
+
+async def test_a_partitioned_client_replays_what_it_missed_or_rereads_after_compaction(etcd: Etcd) -> None:
+    gate = Gate(etcd)
+    await gate.start()
+    a, b = Daemon(gate.endpoint, "a", ttl=3), Daemon(etcd.endpoint, "b", ttl=3)
+    c = Daemon(etcd.endpoint, "c", ttl=3)
+    await a.reg.start()
+    await b.reg.start()
+    try:
+        await until(lambda: a.reg.up and b.reg.up and a.reg.cache.get("b") is not None, what="registered")
+        gate.cut()
+        await until(lambda: not a.reg.up, timeout=5, what="a cut off")
+        b.set_groups(group("x"))
+        await c.reg.start()
+        await until(lambda: c.reg.up and b.reg.cache.get("c") is not None, what="c registered")
+        await c.reg.stop()
+        await until(lambda: b.reg.cache.get("c") is None, what="c gone")
+        gate.heal()
+        await until(lambda: a.reg.up and bool((a.reg.cache.get("b") or b.record).groups), timeout=15,
+                    what="a back, with b's change")
+        # Replayed from the revision a had seen: c came and went, b changed, no whole-fleet read.
+        assert a.reg.cache.get("c") is None and a.reg.counts["full_reads"] == 1 and a.reg.counts["resumes"] == 1
+        assert a.reg.counts["lease_grants"] == 1
+        # Cut again, and etcd compacts away the revision a would resume from: a reads the fleet whole.
+        gate.cut()
+        await until(lambda: not a.reg.up, timeout=5, what="a cut off again")
+        b.set_groups(group("y"))
+        await until(lambda: b.reg.counts["puts"] == 3, what="b's change put")
+        async with grpc.aio.insecure_channel(etcd.endpoint) as ch:
+            # A write after b's, so that the compaction passes the revision of b's change too.
+            now = (await rpc.KVStub(ch).Put(rpc.PutRequest(key=b"elsewhere", value=b"1"))).header.revision
+            await rpc.KVStub(ch).Compact(rpc.CompactionRequest(revision=now, physical=True))
+        gate.heal()
+        await until(lambda: a.reg.up and [g.group for g in (a.reg.cache.get("b") or b.record).groups] == ["y"],
+                    timeout=15, what="a back after compaction, with b's change")
+        assert a.reg.counts["full_reads"] == 2 and a.reg.counts["lease_grants"] == 1
+        assert a.gone == [], "b only changed; c left while a was away and was not known to a"
+    finally:
+        for d in (a, b, c):
+            await d.reg.stop()
+        await gate.close()
+
+
+async def test_a_lapsed_lease_racing_its_reregistration_is_not_gone_but_a_restart_is(etcd: Etcd) -> None:
+    """etcd blips; b is back at once, a (behind a gate) only after its lease lapsed: b sees a's
+    record deleted, then put again by the same instance. That is no loss. A new instance is
+    reported at once, and a record deleted for good is reported once the recovery window ends."""
+    gate = Gate(etcd)
+    await gate.start()
+    a, b = Daemon(gate.endpoint, "a", ttl=1), Daemon(etcd.endpoint, "b", ttl=1)
+    await a.reg.start()
+    await b.reg.start()
+    a2: Daemon | None = None
+    try:
+        await until(lambda: a.reg.up and b.reg.up and b.reg.cache.get("a") is not None, what="registered")
+        etcd.kill()
+        gate.cut()
+        await until(lambda: not a.reg.up and not b.reg.up, timeout=5, what="both notice etcd is gone")
+        await asyncio.to_thread(etcd.start)
+        await until(lambda: b.reg.up, timeout=15, what="b back")
+        await until(lambda: b.reg.cache.get("a") is None, timeout=10, what="a's lease lapses (a is cut off)")
+        gate.heal()
+        await until(lambda: a.reg.up and b.reg.cache.get("a") is not None, timeout=15, what="a re-registers")
+        assert a.reg.counts["lease_grants"] == 2, a.reg.status()
+        assert b.reg.status()["gone_withdrawn"] == 1 and b.gone == [], b.gone
+        # A restart (new instance id) in the same window is reported at once.
+        assert a.reg._task is not None
+        a.reg._task.cancel()
+        a2 = Daemon(etcd.endpoint, "a", ttl=1)
+        a2.record = replace(a2.record, instance_id="a-i2")
+        await a2.reg.start()
+        await until(lambda: bool(b.gone), timeout=5, what="b told of a's restart")
+        assert b.gone == [("a", "a-i1", "restarted (new instance in the registry)")]
+        # a2 dies without revoking: its record goes a TTL later and is reported by the window's end.
+        assert a2.reg._task is not None
+        a2.reg._task.cancel()
+        await until(lambda: len(b.gone) == 2, timeout=15, what="a2 reported gone")
+        assert b.gone[1] == ("a", "a-i2", "its registry record was deleted (lease expired or revoked)")
+    finally:
+        for d in (a, b, *([a2] if a2 else [])):
+            await d.reg.stop()
+        await gate.close()
