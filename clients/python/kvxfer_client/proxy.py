@@ -1,0 +1,156 @@
+"""A prefill/decode proxy for vLLM OpenAI servers that use a KV connector (KvxferdConnector or any other).
+
+``python -m kvxfer_client.proxy --prefill http://A:8100 --decode http://B:8200 --port 8000``
+
+Each ``POST /v1/completions`` or ``/v1/chat/completions`` goes to a prefill server first, with
+``max_tokens: 1``, no streaming and ``kv_transfer_params: {"do_remote_decode": true}``; then to a
+decode server with the ``kv_transfer_params`` the prefill response carried, and the decode
+server's response (streamed or not, as the client asked) goes back to the client unchanged.
+
+A prefill response without ``kv_transfer_params`` means the prefill engine could not hand its KV
+to its daemon (the connector never names a room whose chunks did not all reach the daemon): the
+decode server then gets the request without them and computes the prompt itself, so the client
+still gets its answer. ``--prefill``/``--decode`` repeat for several servers, taken in turn.
+``GET /health`` is 200 while every server answers its own ``/health``; ``GET /v1/models`` is the
+first decode server's. Needs aiohttp (a vLLM dependency), not vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import logging
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# The prefill leg's wall time (ms), on every response: where a slow request spent its time.
+PREFILL_MS_HEADER = "x-kvx-prefill-ms"
+ROUTES = ("/v1/completions", "/v1/chat/completions")
+
+
+def prefill_body(body: dict[str, Any], params: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The prefill leg of a request: one token, the whole response at once, asking for the KV to be
+    kept for a remote decode."""
+    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "min_tokens", "max_completion_tokens")}
+    out.update(max_tokens=1, stream=False, kv_transfer_params=dict(params or {"do_remote_decode": True}))
+    return out
+
+
+def decode_body(body: dict[str, Any], prefill_reply: dict[str, Any]) -> dict[str, Any]:
+    """The decode leg: the client's request plus the prefill's kv_transfer_params, if it gave any."""
+    params = prefill_reply.get("kv_transfer_params")
+    return {**body, "kv_transfer_params": params} if params else dict(body)
+
+
+@dataclass(frozen=True)
+class Servers:
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+
+    def pairs(self) -> Iterator[tuple[str, str]]:
+        """(prefill, decode) URLs in turn, each list cycling on its own."""
+        return zip(itertools.cycle(self.prefill), itertools.cycle(self.decode), strict=False)
+
+
+async def serve(servers: Servers, host: str, port: int, started: asyncio.Event | None = None) -> None:
+    import aiohttp
+    from aiohttp import web
+
+    # No connection cap: concurrency is the clients', not a pool's.
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                    timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+    turn = servers.pairs()
+
+    async def relay(request: web.Request, url: str, body: dict[str, Any], prefill_ms: float) -> web.StreamResponse:
+        async with session.post(url, json=body) as up:
+            resp = web.StreamResponse(status=up.status, headers={
+                "Content-Type": up.headers.get("Content-Type", "application/json"),
+                PREFILL_MS_HEADER: f"{prefill_ms:.3f}"})
+            await resp.prepare(request)
+            async for piece in up.content.iter_any():
+                await resp.write(piece)
+            await resp.write_eof()
+            return resp
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except ValueError as exc:
+            return web.json_response({"error": f"request body is not JSON: {exc}"}, status=400)
+        if not isinstance(body, dict):
+            return web.json_response({"error": "request body must be a JSON object"}, status=400)
+        prefill, decode = next(turn)
+        path = request.path
+        t0 = asyncio.get_running_loop().time()
+        try:
+            async with session.post(prefill + path, json=prefill_body(body)) as pre:
+                reply = await pre.json(content_type=None)
+                if pre.status != 200:
+                    return web.json_response({"error": f"prefill server {prefill} answered {pre.status}",
+                                              "prefill": reply}, status=pre.status)
+        except aiohttp.ClientError as exc:
+            return web.json_response({"error": f"prefill server {prefill}: {exc}"}, status=502)
+        prefill_ms = (asyncio.get_running_loop().time() - t0) * 1e3
+        if not reply.get("kv_transfer_params"):
+            logger.warning("prefill %s returned no kv_transfer_params: decode %s computes the prompt", prefill, decode)
+        try:
+            return await relay(request, decode + path, decode_body(body, reply), prefill_ms)
+        except aiohttp.ClientError as exc:
+            return web.json_response({"error": f"decode server {decode}: {exc}"}, status=502)
+
+    async def health(_: web.Request) -> web.Response:
+        bad = []
+        for url in (*servers.prefill, *servers.decode):
+            try:
+                async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    if r.status != 200:
+                        bad.append(f"{url}: {r.status}")
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                bad.append(f"{url}: {exc!r}")
+        return web.json_response({"ok": not bad, "down": bad}, status=503 if bad else 200)
+
+    async def models(_: web.Request) -> web.Response:
+        async with session.get(servers.decode[0] + "/v1/models") as r:
+            return web.Response(status=r.status, body=await r.read(), content_type="application/json")
+
+    app = web.Application(client_max_size=64 << 20)
+    for route in ROUTES:
+        app.router.add_post(route, generate)
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    logger.info("PD proxy on %s:%d: prefill %s, decode %s", host, port, servers.prefill, servers.decode)
+    if started is not None:
+        started.set()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await session.close()
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvxfer_client.proxy", description=__doc__.split("\n")[0])
+    ap.add_argument("--prefill", action="append", required=True, help="prefill server URL (repeatable)")
+    ap.add_argument("--decode", action="append", required=True, help="decode server URL (repeatable)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    servers = Servers(tuple(u.rstrip("/") for u in args.prefill), tuple(u.rstrip("/") for u in args.decode))
+    try:
+        asyncio.run(serve(servers, args.host, args.port))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
