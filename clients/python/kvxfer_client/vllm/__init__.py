@@ -9,7 +9,30 @@ A proxy sends the request to the prefill instance with ``kv_transfer_params = {"
 true}`` and ``max_tokens = 1``, then sends it to the decode instance with the ``kv_transfer_params``
 the prefill output carries (room, prefill daemon address, prefill group, token count). Settings
 (``kv_connector_extra_config``): ``socket``, ``group``, ``ring_bytes``, ``max_chunk_tokens``,
-``deadline_ms``, ``acquire_timeout_s``, ``prefill_address`` (see :class:`Settings`).
+``deadline_ms``, ``acquire_timeout_s``, ``prefill_address``, ``call_timeout_s``,
+``load_failure_policy`` (see :class:`Settings`).
+
+Healing. Each TP rank's registration with its daemon heals by itself (``kvxfer_client._reattach``):
+a daemon that restarts (kill -9, upgrade) is registered with again (new ring, same group and rank)
+as soon as it answers, and a daemon that stalls (SIGSTOP, a hung host) is waited for off the model's
+thread. While a daemon is away the engine never waits on it: every call from the model's step is
+bounded by ``call_timeout_s`` (2 s) once, then fails at once until the daemon answers again.
+Requests that do not disaggregate keep being served at their usual latency throughout.
+
+* prefill: a request whose chunks could not all be enqueued gets ``kv_transfer_params`` with
+  ``kvxfer_prefill_failed`` set (the reason), never params a decode engine would wait on.
+* decode: a load whose params say so, whose ExpectRoom fails, or whose daemon went away fails at
+  once; vLLM then fails the request (finish reason ``error``) or recomputes its prompt, per
+  ``load_failure_policy`` (``"fail"`` / ``"recompute"``). Unset, vLLM's own
+  ``kv_load_failure_policy`` (default ``"fail"``) applies; set, it is what vLLM's is set to.
+  A load is never resumed on a new registration (its ring is a new one): no wrong byte reaches
+  the engine's blocks.
+
+What an operator sees: one WARNING log line per transition, ``kvxferd transfer path DOWN for
+<group> rank <r> (epoch <e>): <why>`` and ``... UP again ...``; vLLM's periodic stats line
+``KV Transfer metrics: kvxfer_path_down=1, kvxfer_path_transitions=.., kvxfer_failed_sends=..,
+kvxfer_failed_loads=..`` (engines started with stats logging, the default of ``vllm serve``);
+and decode outputs' ``kv_transfer_params``: ``kvxfer_loaded_tokens`` is 0 for a failed load.
 
 Needs vLLM (``pip install 'kvxferd[vllm]'``); importing ``kvxfer_client`` itself never imports vLLM.
 """
@@ -28,6 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvxfer_client.vllm import _paged
 from kvxfer_client.vllm._config import Settings, StepPlan
+from kvxfer_client.vllm._metrics import KvxferdStats, KvxferdWorkerMeta
 from kvxfer_client.vllm._scheduler import ConnectorScheduler
 from kvxfer_client.vllm._worker import CacheShape, ConnectorWorker
 
@@ -77,8 +101,19 @@ class KvxferdConnector(KVConnectorBase_V1):
         self._consume = bool(ktc.is_kv_consumer)
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
+        # Scheduler side: what the workers said last (for stats); worker side: what was last sent.
+        self._down: list[str] = []
+        self._transitions = 0
+        self._reported = (0, 0, 0)
+        self._sent: tuple[str, tuple[str, ...], int] = ("", (), 0)
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = ConnectorScheduler(self.settings, int(vllm_config.cache_config.block_size))
+            policy = self.settings.load_failure_policy
+            if policy and policy != ktc.kv_load_failure_policy:
+                # vLLM's scheduler reads its policy after creating this connector: ours decides.
+                logger.info("KvxferdConnector load_failure_policy=%r overrides kv_load_failure_policy=%r",
+                            policy, ktc.kv_load_failure_policy)
+                ktc.kv_load_failure_policy = policy
 
     # ---------------------------------------------------------------- scheduler side
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -94,9 +129,30 @@ class KvxferdConnector(KVConnectorBase_V1):
         return KvxferdMetadata(self._scheduler.build_plan(scheduler_output))
 
     def update_connector_output(self, connector_output: Any) -> None:
-        if self._scheduler is not None:
-            self._scheduler.loads_finished(set(connector_output.finished_recving or ()),
-                                           set(getattr(connector_output, "failed_recving", None) or ()))
+        sched = self._scheduler
+        if sched is None:
+            return
+        sched.loads_finished(set(connector_output.finished_recving or ()),
+                             set(getattr(connector_output, "failed_recving", None) or ()))
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, KvxferdWorkerMeta):
+            sched.sends_failed(meta.failed_sends, meta.address)
+            self._down, self._transitions = meta.down, meta.transitions
+
+    def get_kv_connector_stats(self) -> KvxferdStats | None:
+        sched = self._scheduler
+        if sched is None:
+            return None
+        now = (self._transitions, sched.failed_sends, sched.failed_loads)
+        delta = [a - b for a, b in zip(now, self._reported, strict=True)]
+        self._reported = now
+        stats = KvxferdStats({"kvxfer_path_down": int(bool(self._down)), "kvxfer_path_transitions": delta[0],
+                              "kvxfer_failed_sends": delta[1], "kvxfer_failed_loads": delta[2]})
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvxferdStats | None:
+        return KvxferdStats(dict(data or {}))
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
@@ -156,6 +212,20 @@ class KvxferdConnector(KVConnectorBase_V1):
             return KVConnectorTransferResults()
         done, failed = self._worker.transfer_results(finished_req_ids)
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
+    def build_connector_worker_meta(self) -> KvxferdWorkerMeta | None:
+        """The step's failed sends and the path's state, when there is news (else None: vLLM then
+        ships no connector output for an idle step)."""
+        w = self._worker
+        if w is None:
+            return None
+        failed = w.failed_sends()
+        tx = w.tx
+        state = (tx.peer_address if tx is not None else "", tuple(w.path_down()), w.transitions())
+        if not failed and state == self._sent:
+            return None
+        self._sent = state
+        return KvxferdWorkerMeta(failed, state[0], list(state[1]), state[2])
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -21,6 +21,11 @@ P_HOLD_MS = "kvxfer_prefill_block_hold_ms"
 # how long the load took (blocks allocated to the scheduler hearing it finished).
 P_LOADED = "kvxfer_loaded_tokens"
 P_LOAD_MS = "kvxfer_load_ms"
+# Set (to the reason) when the prefill side could not hand the whole prompt's KV to its daemon:
+# the decode engine then applies the load-failure policy at once instead of waiting for a room
+# that will never fill.
+P_FAILED = "kvxfer_prefill_failed"
+POLICIES = ("fail", "recompute")
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,12 @@ class Settings:
     deadline_ms: int = 0  # 0: the daemon's room deadline
     acquire_timeout_s: float = 30.0
     prefill_address: str = ""  # "": the daemon's own peer address (GetStatus)
+    # Bound on every call into the daemon from the model's step (enqueue verdicts, ExpectRoom,
+    # aborts): a daemon silent for longer takes the transfer path down until it answers again.
+    call_timeout_s: float = 2.0
+    # What a decode request whose KV cannot come does: "fail" or "recompute"; "" follows vLLM's
+    # own kv_transfer_config.kv_load_failure_policy (the connector sets that one when this is given).
+    load_failure_policy: str = ""
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any], engine_id: str) -> Settings:
@@ -43,7 +54,11 @@ class Settings:
         if not s.group:
             # One group per serving instance (every TP rank of it): vLLM's engine_id is shared by them.
             s = cls(**{**extra, "group": f"vllm-{engine_id[:12]}"})
-        if s.ring_bytes <= 0 or s.max_chunk_tokens < 0 or s.deadline_ms < 0 or s.acquire_timeout_s <= 0:
+        if s.load_failure_policy not in ("", *POLICIES):
+            raise ValueError(f"KvxferdConnector load_failure_policy must be one of {POLICIES} or unset, "
+                             f"got {s.load_failure_policy!r}")
+        if (s.ring_bytes <= 0 or s.max_chunk_tokens < 0 or s.deadline_ms < 0 or s.acquire_timeout_s <= 0
+                or s.call_timeout_s <= 0):
             raise ValueError(f"bad KvxferdConnector settings: {s}")
         return s
 
@@ -83,6 +98,7 @@ class LoadSpec:
     num_tokens: int
     block_ids: tuple[int, ...]  # every block of the request, from token 0
     skip_tokens: int  # tokens already in local (prefix-cached) blocks: never overwritten
+    failed: str = ""  # the prefill side said its room will never fill: fail the load at once
 
 
 @dataclass

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvxfer_client._common import Layout
+
 logger = logging.getLogger(__name__)
 
 # Backends whose per-(block, head) page is K rows then V rows; everything else splits per token.
@@ -92,3 +94,24 @@ def scatter(planes: Sequence[Planes], blocks: torch.Tensor, offsets: torch.Tenso
     for layer, p in enumerate(planes):
         p.k[blocks, :, offsets] = slot[:, layer, 0].permute(1, 0, 2).to(p.k.device)
         p.v[blocks, :, offsets] = slot[:, layer, 1].permute(1, 0, 2).to(p.v.device)
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """What a rank's registered caches look like; built from vLLM's config and layers."""
+
+    layers: list[str]
+    planes: list[Planes]
+    total_kv_heads: int
+    local_heads: int
+    head_size: int
+    block_size: int  # the scheduler's block (what block ids count)
+    kernel_block_size: int  # tokens per block of the cache tensors
+    dtype: torch.dtype
+
+    def layout(self) -> Layout:
+        return Layout(
+            num_layers=len(self.layers), total_kv_heads=self.total_kv_heads, head_dim=self.head_size,
+            dtype_bytes=torch.empty((), dtype=self.dtype).element_size(), page_size=self.block_size,
+            dtype=str(self.dtype).removeprefix("torch."),
+        )

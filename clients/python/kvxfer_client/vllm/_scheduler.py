@@ -9,6 +9,13 @@ finishes, every prompt token already sits in a slot, so its blocks are freed at 
 Decode (``do_remote_prefill`` plus the params above): the whole prompt is reported as an external,
 asynchronous hit; the workers expect the room and scatter chunks into the allocated blocks as they
 land. vLLM recomputes the last prompt token itself to sample the first output token.
+
+A prefill room that failed on the workers (a chunk refused, the daemon away: see ``_send.py``) is
+reported back with the step's output (``KvxferdWorkerMeta``). Params of a request that finished
+in that same step were already returned (vLLM calls ``request_finished`` before
+``update_connector_output``) but not yet sent: the dict is marked failed in place (``P_FAILED``),
+as vLLM itself amends it after ``request_finished``. A decode engine given failed params fails
+the load at once, and vLLM's load-failure policy (fail or recompute) applies.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from kvxfer_client.vllm._config import (
     P_ADDRESS,
     P_DO_REMOTE_DECODE,
     P_DO_REMOTE_PREFILL,
+    P_FAILED,
     P_GROUP,
     P_HOLD_MS,
     P_LOAD_MS,
@@ -66,6 +74,7 @@ class _Send:
     blocks: list[int] = field(default_factory=list)
     next_token: int = 0
     next_chunk: int = 0
+    failed: str = ""  # a worker could not enqueue one of its chunks: the room will never fill
 
 
 class RoomIds:
@@ -93,6 +102,12 @@ class ConnectorScheduler:
         self._loading: dict[str, _Load] = {}
         self._aborts: list[int] = []
         self._address = settings.prefill_address
+        # Params returned by request_finished since the last plan: the step's output still holds
+        # them, so a failure the workers report for the same step can amend them in place.
+        self._handed: dict[str, dict[str, Any]] = {}
+        # Counters for the connector's stats (failed sends here, failed loads here).
+        self.failed_sends = 0
+        self.failed_loads = 0
         # Block hold times of finished prefill requests (ms), newest last; for metrics and tests.
         self.hold_ms: list[float] = []
 
@@ -101,6 +116,9 @@ class ConnectorScheduler:
         params = request.kv_transfer_params or {}
         if not params.get(P_DO_REMOTE_PREFILL) or P_ROOM not in params:
             return 0, False
+        if params.get(P_FAILED):
+            logger.warning("request %s: the prefill engine failed to send its KV (%s): load failure policy applies",
+                           request.request_id, params[P_FAILED])
         count = int(params[P_TOKENS]) - num_computed_tokens
         if count <= 0:
             return 0, False
@@ -118,7 +136,7 @@ class ConnectorScheduler:
         self._loads.append(LoadSpec(
             req_id=rid, room=int(params[P_ROOM]), prefill_address=str(params[P_ADDRESS]),
             prefill_group=str(params[P_GROUP]), num_tokens=int(params[P_TOKENS]),
-            block_ids=tuple(blocks.get_block_ids()[0]), skip_tokens=skip,
+            block_ids=tuple(blocks.get_block_ids()[0]), skip_tokens=skip, failed=str(params.get(P_FAILED) or ""),
         ))
         self._loading[rid] = _Load(num_external_tokens, time.monotonic())
         # Load once: if it fails, vLLM recomputes or fails the request, and must not load again.
@@ -130,11 +148,31 @@ class ConnectorScheduler:
             ld = self._loading.get(rid)
             if ld is not None:
                 ld.ms, ld.failed = (now - ld.started) * 1e3, rid in failed
+        self.failed_loads += len(failed)
+
+    def sends_failed(self, failed: dict[str, str], address: str) -> None:
+        """What the workers report after a step: prefill rooms that failed (request id -> why), and
+        the address of the prefill daemon registered with now (a restarted daemon may listen
+        on another port)."""
+        if address and not self.settings.prefill_address:
+            self._address = address
+            for params in self._handed.values():
+                if P_ADDRESS in params:
+                    params[P_ADDRESS] = address
+        for rid, why in failed.items():
+            self.failed_sends += 1
+            st = self._sends.get(rid)
+            if st is not None:
+                st.failed = st.failed or why
+            elif rid in self._handed:
+                # Returned this step but not sent yet (the step's output is built, not shipped).
+                self._handed[rid][P_FAILED] = why
 
     # -- every step ----------------------------------------------------------------------------
     def build_plan(self, so: Any) -> StepPlan:
         plan = StepPlan(loads=self._loads, aborts=self._aborts)
         self._loads, self._aborts = [], []
+        self._handed.clear()  # the last step's outputs have gone out
         computed: dict[str, int] = {}
         for new in so.scheduled_new_reqs:
             st = self._sends.get(new.req_id)
@@ -184,10 +222,20 @@ class ConnectorScheduler:
         held = (time.monotonic() - st.allocated_at) * 1e3
         self.hold_ms.append(held)
         logger.debug("request %s: prefill blocks held %.1f ms", request.request_id, held)
-        if not self._address:
-            self._address = daemon_peer_address(self.settings.socket)
-        # False: the KV is in the daemon's ring already, vLLM may free the blocks now.
-        return False, {
+        params: dict[str, Any] = {
             P_DO_REMOTE_PREFILL: True, P_DO_REMOTE_DECODE: False, P_ROOM: st.room, P_ADDRESS: self._address,
             P_GROUP: self.settings.prefill_group, P_TOKENS: st.prompt_len, P_HOLD_MS: round(held, 3),
         }
+        if st.failed:
+            # The decode engine learns at once that no KV will come (not at the room deadline).
+            params[P_FAILED] = st.failed
+            return False, params
+        if not self._address:
+            try:
+                params[P_ADDRESS] = self._address = daemon_peer_address(self.settings.socket, timeout=2.0)
+            except grpc.RpcError as exc:
+                params[P_FAILED] = f"the prefill daemon did not say its address: {exc.code().name}"
+                return False, params
+        self._handed[request.request_id] = params
+        # False: the KV is in the daemon's ring already, vLLM may free the blocks now.
+        return False, params

@@ -2,14 +2,19 @@
 
 One instance per TP rank. The rank registers with its node's daemon as a prefill engine, a decode
 engine, or both (``kv_both``), with its own heads: kvxferd slices heads between prefill and decode
-TP sizes, so a rank only ever handles its local heads.
+TP sizes, so a rank only ever handles its local heads. Each registration heals by itself
+(:class:`kvxfer_client._reattach.Reattach`): a daemon that restarts, or stalls and resumes, is
+registered with again without restarting the engine, and while it is away every call from the
+model's step fails at once (prefill: the room fails, see ``_send.py``; decode: the load fails
+and vLLM's load-failure policy applies).
 
 Loads run off the model's thread: a watcher thread takes the daemon's room events in the lists
 they arrived in, scatters each chunk as it lands into the request's blocks (vLLM never touches a
 request's blocks while it waits for remote KV) and watermarks what one list brought in one call.
 A finished or failed room is reported by the next ``transfer_results`` call; a failed one goes to
 vLLM's load-failure path (``failed_recving``). Polling the rooms is only the safety net for a
-broken event stream.
+broken event stream. A load is read only from the registration (ring) it was expected with: when
+that registration's daemon is gone, the load fails; it is never resumed on the next one.
 """
 
 from __future__ import annotations
@@ -20,42 +25,26 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-import torch
+import grpc
 
-from kvxfer_client._common import ChunkRefused, KvxferError, Landed, Layout, RoomEvent, RoomState
+from kvxfer_client._common import KvxferError, Landed, NotSent, RoomEvent, RoomState
+from kvxfer_client._reattach import Reattach
 from kvxfer_client._sync import DecodeReceiver
 from kvxfer_client._sync_prefill import PrefillSender
 from kvxfer_client.vllm import _paged
-from kvxfer_client.vllm._config import LoadSpec, SendChunk, Settings, StepPlan
+from kvxfer_client.vllm._config import LoadSpec, Settings, StepPlan
+from kvxfer_client.vllm._paged import CacheShape
+from kvxfer_client.vllm._send import SendPath, quiet
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["CacheShape", "ConnectorWorker"]
 
 # With no event for this long while loads are active, the watcher polls every active room itself:
 # the safety net for an event lost with a broken stream (a reconnected stream also starts a sweep).
 # Events carry what a load needs (the landed chunk, the room's end), so no load waits for it.
 _SWEEP_ACTIVE_S = 0.5
 _SWEEP_IDLE_S = 1.0
-
-
-@dataclass(frozen=True)
-class CacheShape:
-    """What a rank's registered caches look like; built from vLLM's config and layers."""
-
-    layers: list[str]
-    planes: list[_paged.Planes]
-    total_kv_heads: int
-    local_heads: int
-    head_size: int
-    block_size: int  # the scheduler's block (what block ids count)
-    kernel_block_size: int  # tokens per block of the cache tensors
-    dtype: torch.dtype
-
-    def layout(self) -> Layout:
-        return Layout(
-            num_layers=len(self.layers), total_kv_heads=self.total_kv_heads, head_dim=self.head_size,
-            dtype_bytes=torch.empty((), dtype=self.dtype).element_size(), page_size=self.block_size,
-            dtype=str(self.dtype).removeprefix("torch."),
-        )
 
 
 @dataclass
@@ -69,6 +58,9 @@ class _Load:
     # PollRoom would fail the load with NOT_FOUND (events name it only after ExpectRoom anyway).
     expected: bool = False
     cancelled: bool = False
+    # The registration the room was expected with: its ring is the only one read for this load.
+    rx: DecodeReceiver | None = None
+    epoch: int = -1
 
 
 class ConnectorWorker:
@@ -78,89 +70,94 @@ class ConnectorWorker:
         self.shape = shape
         layout = shape.layout()
         name = f"vllm-tp{tp_rank}"
-        self.tx = PrefillSender(
-            group=settings.prefill_group, name=f"{name}-p", layout=layout, tp_size=tp_size, tp_rank=tp_rank,
-            ring_bytes=settings.ring_bytes, socket=settings.socket,
-        ) if produce else None
-        self.rx = DecodeReceiver(
-            group=settings.decode_group, name=f"{name}-d", layout=layout, tp_size=tp_size, tp_rank=tp_rank,
-            ring_bytes=settings.ring_bytes, socket=settings.socket,
-        ) if consume else None
+        common = {"layout": layout, "tp_size": tp_size, "tp_rank": tp_rank, "ring_bytes": settings.ring_bytes,
+                  "socket": settings.socket, "call_timeout": settings.call_timeout_s}
+        probe = min(1.0, settings.call_timeout_s)
         self._lock = threading.Lock()
         self._loads: dict[int, _Load] = {}  # by room
         self._by_req: dict[str, int] = {}
         self._finished: list[_Load] = []
+        self._releases: list[tuple[DecodeReceiver, int]] = []  # ended rooms, released by the watcher
         self._stop = threading.Event()
-        # Room events in the lists they arrived in; None asks the watcher for a sweep.
-        self._events: queue.SimpleQueue[list[RoomEvent] | None] = queue.SimpleQueue()
+        # (epoch, room events) in the lists they arrived in; None asks the watcher for a sweep.
+        self._events: queue.SimpleQueue[tuple[int, list[RoomEvent]] | None] = queue.SimpleQueue()
+        self.tx_link: Reattach[PrefillSender] | None = None
+        self.sends: SendPath | None = None
+        if produce:
+            self.tx_link = Reattach(
+                lambda: PrefillSender(group=settings.prefill_group, name=f"{name}-p", **common),  # type: ignore[arg-type]
+                f"{settings.prefill_group} rank {tp_rank}", probe_timeout_s=probe)
+            self.sends = SendPath(self.tx_link, shape, settings.acquire_timeout_s)
+        self.rx_link: Reattach[DecodeReceiver] | None = None
+        try:
+            if consume:
+                self.rx_link = Reattach(
+                    lambda: DecodeReceiver(group=settings.decode_group, name=f"{name}-d", **common),  # type: ignore[arg-type]
+                    f"{settings.decode_group} rank {tp_rank}", probe_timeout_s=probe,
+                    on_change=lambda up, epoch, why: self._events.put(None))
+        except BaseException:
+            if self.tx_link is not None:
+                self.tx_link.close()
+            raise
         self._watcher: threading.Thread | None = None
-        if self.rx is not None:
+        if self.rx_link is not None:
             self._watcher = threading.Thread(target=self._watch_loop, name="kvxfer-vllm-load", daemon=True)
             self._watcher.start()
         logger.info("kvxferd connector rank %d/%d: %s, %d layers, %d local of %d KV heads, blocks of %d",
                     tp_rank, tp_size, "+".join(r for r, on in (("prefill", produce), ("decode", consume)) if on),
                     len(shape.layers), shape.local_heads, shape.total_kv_heads, shape.block_size)
 
+    @property
+    def tx(self) -> PrefillSender | None:
+        """The prefill registration in use now (a daemon restart replaces it)."""
+        return self.tx_link.current()[0] if self.tx_link is not None else None
+
+    @property
+    def rx(self) -> DecodeReceiver | None:
+        """The decode registration in use now (a daemon restart replaces it)."""
+        return self.rx_link.current()[0] if self.rx_link is not None else None
+
+    def path_down(self) -> list[str]:
+        """What of this rank's transfer path is down now (empty: all up)."""
+        return [link.what for link in (self.tx_link, self.rx_link) if link is not None and not link.up]
+
+    def transitions(self) -> int:
+        return sum(link.transitions for link in (self.tx_link, self.rx_link) if link is not None)
+
     # -- prefill -------------------------------------------------------------------------------
     def save(self, plan: StepPlan) -> None:
         """Gathers this step's chunks into ring slots and enqueues them; the step's KV is written."""
-        tx = self.tx
-        if tx is None:
-            return
-        for room in plan.aborts:
-            self._quiet(tx.abort, room, "request ended before its prompt was computed")
-        for c in plan.sends:
-            while True:
-                try:
-                    self._send(tx, c)
-                except ChunkRefused as exc:
-                    # An earlier chunk of this step, refused; this one was not sent: again.
-                    self._refused(tx, exc)
-                    continue
-                except Exception as exc:
-                    # The decode side must hear of it now, not at the room deadline.
-                    logger.error("request %s room %d chunk %d: %s", c.req_id, c.room, c.chunk_id, exc)
-                    self._quiet(tx.abort, c.room, f"prefill gather/enqueue failed: {exc}")
-                break
-        # The step's chunks went without waiting for each verdict: all of them, in one round trip.
-        for refused in tx.flush():
-            self._refused(tx, refused)
+        if self.sends is not None:
+            self.sends.save(plan)
 
-    def _refused(self, tx: PrefillSender, exc: ChunkRefused) -> None:
-        logger.error("room %d chunk %d: %s", exc.room, exc.chunk_id, exc)
-        if exc.slot is not None and not exc.lost:
-            self._quiet(tx.release_slot, exc.slot)  # still ours: the daemon took nothing
-        self._quiet(tx.abort, exc.room, f"prefill enqueue refused: {exc.message}")
-
-    def _send(self, tx: PrefillSender, c: SendChunk) -> None:
-        n = c.end - c.start
-        s = self.shape
-        slot = tx.acquire(n, timeout=self.settings.acquire_timeout_s)
-        try:
-            dst = _paged.slot_view(tx.tensor(slot.offset, slot.chunk_bytes), s.local_heads, len(s.layers), n,
-                                   s.head_size, s.dtype)
-            blocks, offsets = _paged.token_index(c.block_ids, c.first_block, c.start, c.end, s.block_size, s.kernel_block_size,
-                                                 s.planes[0].k.device)
-            _paged.gather(s.planes, blocks, offsets, dst)
-            tx.enqueue(c.room, c.chunk_id, c.start, n, slot, last=c.last, wait=False)
-        except BaseException:
-            self._quiet(tx.release_slot, slot)
-            raise
+    def failed_sends(self) -> dict[str, str]:
+        """Request ids whose rooms failed here since the last call, with why (for the scheduler)."""
+        return self.sends.take_failed() if self.sends is not None else {}
 
     # -- decode --------------------------------------------------------------------------------
     def start_loads(self, plan: StepPlan) -> None:
-        rx = self.rx
-        if rx is None:
+        link = self.rx_link
+        if link is None:
             return
         for spec in plan.loads:
             ld = _Load(spec)
             with self._lock:
                 self._loads[spec.room] = ld
                 self._by_req[spec.req_id] = spec.room
+            if spec.failed:
+                self._finish(ld, f"the prefill side failed: {spec.failed}")
+                continue
+            try:
+                rx, ld.epoch = link.get()
+            except KvxferError as exc:
+                self._finish(ld, str(exc))
+                continue
+            ld.rx = rx
             try:
                 rx.expect(spec.room, spec.prefill_address, spec.prefill_group, spec.num_tokens,
                           deadline_ms=self.settings.deadline_ms)
             except KvxferError as exc:
+                link.failed(exc, ld.epoch)
                 self._finish(ld, f"ExpectRoom failed: {exc}")
             else:
                 ld.expected = True
@@ -173,9 +170,10 @@ class ConnectorWorker:
             with self._lock:
                 room = self._by_req.get(rid)
                 ld = self._loads.get(room) if room is not None else None
-            if ld is not None and not ld.finished and self.rx is not None:
+            if ld is not None and not ld.finished and ld.rx is not None and self.rx_link is not None:
                 ld.cancelled = True
-                self._quiet(self.rx.abort, ld.spec.room, "request finished on the decode engine")
+                if self.rx_link.up:
+                    quiet(ld.rx.abort, ld.spec.room, "request finished on the decode engine")
                 self._events.put(None)  # the room's end is also pushed; a sweep costs little here
         with self._lock:
             done, self._finished = self._finished, []
@@ -188,62 +186,86 @@ class ConnectorWorker:
 
     def _watch_loop(self) -> None:
         """The one thread that touches loads: applies event lists, sweeps when told or when idle."""
-        rx = self.rx
-        assert rx is not None
+        link = self.rx_link
+        assert link is not None
         events = threading.Thread(target=self._event_loop, name="kvxfer-vllm-events", daemon=True)
         events.start()
         while not self._stop.is_set():
+            self._release_ended()
             with self._lock:
                 busy = any(not ld.finished for ld in self._loads.values())
             try:
-                batch = self._events.get(timeout=_SWEEP_ACTIVE_S if busy else _SWEEP_IDLE_S)
+                got = self._events.get(timeout=_SWEEP_ACTIVE_S if busy else _SWEEP_IDLE_S)
             except queue.Empty:
-                batch = None
+                got = None
             if self._stop.is_set():
                 return
-            if batch is not None:
+            self._fail_lost(link)
+            if got is not None:
+                epoch, batch = got
                 try:
-                    self._apply(rx, batch)
+                    self._apply(epoch, batch)
                 except Exception:  # the watcher must outlive any one list: the sweep picks up the rest
                     logger.exception("applying room events failed; polling the loads instead")
                     self._events.put(None)
                 continue
+            if not link.up:
+                continue  # a stalled daemon: its loads wait for it (or for their deadline)
             with self._lock:
                 active = [ld for ld in self._loads.values() if ld.expected and not ld.finished]
             for ld in active:
-                self._advance(rx, ld)
+                self._advance(ld)
+
+    def _fail_lost(self, link: Reattach[DecodeReceiver]) -> None:
+        """Loads of a registration whose daemon is gone fail now: that ring will never fill."""
+        lost = link.lost_epoch
+        with self._lock:
+            gone = [ld for ld in self._loads.values() if not ld.finished and 0 <= ld.epoch <= lost]
+        for ld in gone:
+            self._finish(ld, f"the decode daemon went away ({link.reason or 'registration replaced'})")
 
     def _event_loop(self) -> None:
         """Hands the daemon's pushed room events to the watcher; re-opens the stream if it breaks
-        (and asks for a sweep: events may have been lost meanwhile)."""
-        rx = self.rx
-        assert rx is not None
+        (and asks for a sweep: events may have been lost meanwhile), with the registration in use."""
+        link = self.rx_link
+        assert link is not None
         while not self._stop.is_set():
             try:
+                rx, epoch = link.get()
+            except KvxferError:
+                self._stop.wait(0.2)  # down: the healer brings it back (or a new registration)
+                continue
+            try:
                 for batch in rx.watch().batches():
-                    self._events.put(batch)
+                    self._events.put((epoch, batch))
                     if self._stop.is_set():
                         return
             except KvxferError as exc:
+                # A stream that could not open says the daemon is away or forgot the engine; one
+                # that broke after opening leaves it to the sweep's polls to tell.
+                if isinstance(exc, NotSent) or exc.code is not grpc.StatusCode.UNAVAILABLE:
+                    link.failed(exc, epoch)
                 logger.debug("room event stream ended: %s", exc)
             self._events.put(None)
             self._stop.wait(0.2)
 
-    def _apply(self, rx: DecodeReceiver, batch: list[RoomEvent]) -> None:
+    def _apply(self, epoch: int, batch: list[RoomEvent]) -> None:
         """Scatters the chunks a list of events announces, watermarks them in one call, and ends
         the loads whose room ended (after their chunks: the daemon sends a room's end last)."""
         read: dict[int, list[int]] = {}
+        rx: DecodeReceiver | None = None
         for ev in batch:
             with self._lock:
                 ld = self._loads.get(ev.room)
-            if ld is None or ld.finished:
-                continue
+            if ld is None or ld.finished or ld.epoch != epoch or ld.rx is None:
+                continue  # another registration's room of the same id: not this stream's
+            rx = ld.rx
             c = ev.landed
             if c is not None and c.chunk_id not in ld.done_chunks:
                 try:
-                    self._take(rx, ld, c)
+                    self._take(ld, c)
                 except Exception as exc:
-                    self._quiet(rx.abort, ev.room, f"decode load failed: {exc}")
+                    quiet(rx.abort, ev.room, f"decode load failed: {exc}")
                     self._finish(ld, str(exc))
                     continue
                 read.setdefault(ev.room, []).append(c.chunk_id)
@@ -255,13 +277,13 @@ class ConnectorWorker:
                 else:
                     # Events were lost with a broken stream: the room's own status lists every
                     # landed chunk (the second pass ends the load once nothing is fresh).
-                    self._advance(rx, ld)
+                    self._advance(ld)
                     if not ld.finished:
-                        self._advance(rx, ld)
+                        self._advance(ld)
         # Rooms that ended were released: their chunks need no watermark (nor could take one).
         with self._lock:
             marks = [(room, ids) for room, ids in read.items() if room in self._loads]
-        if not marks:
+        if not marks or rx is None:
             return
         try:
             errors = rx.watermark_many(marks)
@@ -272,16 +294,17 @@ class ConnectorWorker:
                 with self._lock:
                     ld = self._loads.get(room)
                 if ld is not None:
-                    self._quiet(rx.abort, room, f"decode load failed: watermark: {err}")
+                    quiet(rx.abort, room, f"decode load failed: watermark: {err}")
                     self._finish(ld, f"watermark failed: {err}")
 
-    def _advance(self, rx: DecodeReceiver, ld: _Load) -> None:
-        room = ld.spec.room
+    def _advance(self, ld: _Load) -> None:
+        room, rx, link = ld.spec.room, ld.rx, self.rx_link
+        assert rx is not None and link is not None
         try:
             st = rx.poll(room)
             fresh = [c for c in st.landed if c.chunk_id not in ld.done_chunks]
             for c in fresh:
-                self._take(rx, ld, c)
+                self._take(ld, c)
             if fresh:
                 rx.watermark(room, [c.chunk_id for c in fresh])
             if st.state is RoomState.FAILED:
@@ -290,19 +313,22 @@ class ConnectorWorker:
                 short = ld.tokens != ld.spec.num_tokens
                 self._finish(ld, f"room ended with {ld.tokens} of {ld.spec.num_tokens} tokens" if short else "")
         except Exception as exc:
-            self._quiet(rx.abort, room, f"decode load failed: {exc}")
+            if link.failed(exc, ld.epoch):
+                return  # the path is down: a lost registration fails the load, a stall leaves it
+            quiet(rx.abort, room, f"decode load failed: {exc}")
             self._finish(ld, str(exc))
 
-    def _take(self, rx: DecodeReceiver, ld: _Load, c: Landed) -> None:
+    def _take(self, ld: _Load, c: Landed) -> None:
         """One landed chunk of a load: into the request's blocks (unless the request was cancelled),
         then counted; a failed scatter counts nothing."""
         if not ld.cancelled:
-            self._scatter(rx, ld.spec, c)
+            self._scatter(ld, c)
         ld.done_chunks.add(c.chunk_id)
         ld.tokens += c.num_tokens
 
-    def _scatter(self, rx: DecodeReceiver, spec: LoadSpec, c: Landed) -> None:
-        s = self.shape
+    def _scatter(self, ld: _Load, c: Landed) -> None:
+        s, spec, rx = self.shape, ld.spec, ld.rx
+        assert rx is not None
         lo = max(c.token_start, spec.skip_tokens)
         hi = c.token_start + c.num_tokens
         if lo >= hi:
@@ -321,22 +347,24 @@ class ConnectorWorker:
             self._loads.pop(ld.spec.room, None)
             self._by_req.pop(ld.spec.req_id, None)
             self._finished.append(ld)
-        if self.rx is not None:
-            self._quiet(self.rx.release, ld.spec.room)
+            if ld.rx is not None:
+                # Released by the watcher: a release may wait (page fence) and the step must not.
+                self._releases.append((ld.rx, ld.spec.room))
+        self._events.put(None)
 
-    @staticmethod
-    def _quiet(fn: object, *args: object) -> None:
-        try:
-            fn(*args)  # type: ignore[operator]
-        except Exception as exc:
-            logger.debug("%s%s: %s", getattr(fn, "__name__", fn), args, exc)
+    def _release_ended(self) -> None:
+        with self._lock:
+            ended, self._releases = self._releases, []
+        link = self.rx_link
+        for rx, room in ended:
+            if link is not None and link.up and rx is link.current()[0]:
+                quiet(rx.release, room)
 
     def close(self) -> None:
         self._stop.set()
         self._events.put(None)
-        for client in (self.tx, self.rx):
-            if client is not None:
-                client.close()
+        for link in (self.tx_link, self.rx_link):
+            if link is not None:
+                link.close()
         if self._watcher is not None:
             self._watcher.join(timeout=2)
-
