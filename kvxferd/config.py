@@ -162,7 +162,9 @@ class Config:
     # Allow unauthenticated peers on a non-loopback peer_listen (no mTLS, no secret).
     insecure_peers: bool = False
     # Peer-side caps: refused with RESOURCE_EXHAUSTED, shown in status and kvxferd_cap_* metrics.
-    max_peers: int = 256
+    # 2,048: every daemon of a 1,000-node prefill/decode mesh, twice (ids that left linger until
+    # peer_forget_s); an idle peer costs ~0.1 MiB (docs/registry.md), so ~200 MiB at the cap.
+    max_peers: int = 2048
     # A peer down this long, not in `peers`, is forgotten (its entries go and it is no longer
     # dialed): daemons come and go (a pod's new name is a new daemon id), and the table must not
     # fill up with those that left. A new peer at max_peers evicts one down that long already.

@@ -130,6 +130,7 @@ class EtcdRegistry:
         # Until then, a record deleted is reported gone only if its owner has not re-registered by then.
         self._recovering_until = 0.0
         self._me: DaemonRecord | None = None
+        self._put_rev = 0  # etcd's revision of our last put
 
     # ------------------------------------------------------------------ what the core calls
 
@@ -305,8 +306,8 @@ class EtcdRegistry:
         rec = self._local()
         raw = rec.to_json()
         key = self._prefix + rec.daemon_id.encode()
-        await kv.Put(rpc.PutRequest(key=key, value=raw, lease=self._lease), timeout=self._cfg.registry_timeout_s)
-        self._published = raw
+        put = await kv.Put(rpc.PutRequest(key=key, value=raw, lease=self._lease), timeout=self._cfg.registry_timeout_s)
+        self._published, self._put_rev = raw, put.header.revision
         self.counts["puts"] += 1
 
     async def _publisher(self, kv: rpc.KVStub) -> None:
@@ -422,6 +423,8 @@ class EtcdRegistry:
         elif ev.type == _DELETE:
             daemon_id = key[len(self._prefix):].decode(errors="replace")
             if daemon_id == me.daemon_id and not self._stopping:
+                if ev.kv.mod_revision < self._put_rev:
+                    return  # replayed: our lease lapsed while we were away, and we have put it again since
                 self._published = None
                 raise _SessionEnded("our record was deleted")
             old = self.cache.delete(daemon_id)

@@ -51,3 +51,10 @@ def test_record_round_trip_and_refusals() -> None:
     for bad in (b"{}", b"not json", b'{"format": 99}', rec.to_json().replace(b'"ranks"', b'"rank"')):
         with pytest.raises(ValueError):
             DaemonRecord.from_json(bad)
+
+
+def test_peer_caps_fit_a_1000_node_fleet_by_default(short_tmp: Path) -> None:
+    # A decode daemon of a 1,000-node prefill/decode mesh may know every other daemon, and ids that
+    # left (a pod's new name) linger until peer_forget_s: twice the fleet.
+    cfg = load_config(write(short_tmp, ""), env={})
+    assert cfg.max_peers >= 2 * 1000
