@@ -42,6 +42,7 @@ from kvxferd.metrics import Metrics, start_metrics_server
 from kvxferd.node import Node
 from kvxferd.notif import join_notifs
 from kvxferd.owned import Busy, OwnerLock, check_dir, listen_failure_hint
+from kvxferd.peer_heal import PAUSE_S
 from kvxferd.peer_link import grpc_options
 from kvxferd.peer_servicer import PEER_UNARY, PeerServicer, WireServer
 from kvxferd.peers import PeerManager
@@ -61,6 +62,7 @@ ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
 PEER_SERVICE = peer_pb2.DESCRIPTOR.services_by_name["Peer"].full_name
 # After the last room finished, how long a drain waits for engines to read the outcomes.
 DRAIN_LINGER_S = 2.0
+SWEEP_S = 0.25  # how often engine leases are checked
 
 
 class StartupError(RuntimeError):
@@ -227,7 +229,7 @@ async def _start(d: _Daemon, ready: Callable[[Ready], None] | None) -> None:
                                      merge_max_bytes=config.merge_max_bytes,
                                      post_delay=delays.take if config.fault_injection else None)
     d.peers = peers = PeerManager(ident, config, transport, workers, metrics, node, node.spawn)
-    node.attach(workers, peers.window, peers.connect, peers.all)
+    node.attach(workers, peers.window, peers.connect, peers.all, peers.health.transport_failed)
 
     d.health = health_servicer = health.aio.HealthServicer()
     opts = grpc_options(config)
@@ -456,10 +458,17 @@ async def serve(
 
 
 async def _sweep(node: Node) -> None:
-    """Lease expiry: a crashed engine stops renewing; its rooms fail and its ring is released."""
+    """Lease expiry: a crashed engine stops renewing; its rooms fail and its ring is released. A
+    sweep PAUSE_S later than due means this daemon did not run (SIGSTOP, a stalled loop): engines
+    get a fresh lease instead of being expired by the clock that ran on meanwhile."""
+    last = time.monotonic()
     while True:
-        await asyncio.sleep(0.25)
+        await asyncio.sleep(SWEEP_S)
+        now = time.monotonic()
+        away, last = now - last, now
         try:
+            if away > SWEEP_S + PAUSE_S:
+                node.engines.fresh_leases(away)
             node.expire_leases()
         except Exception:
             logger.exception("lease sweep failed")

@@ -292,6 +292,16 @@ class EngineTable:
     def unregister(self, engine_id: str) -> None:
         self.drop(self.get(engine_id), FailureCode.ENGINE_LOST, "engine unregistered")
 
+    def fresh_leases(self, away_s: float) -> None:
+        """This daemon did not run for `away_s` (SIGSTOP, a stalled loop): its engines could not be
+        heard meanwhile, so none is expired by that clock; each gets a whole lease from now."""
+        now = time.monotonic()
+        for eng in self.engines.values():
+            eng.lease_deadline = max(eng.lease_deadline, now + self.lease_s(eng))
+        if self.engines:
+            logger.warning("this daemon did not run for %.1f s (paused, or its event loop stalled): its %d engine(s) "
+                           "get a fresh lease", away_s, len(self.engines))
+
     def expire_leases(self) -> None:
         now = time.monotonic()
         for eng in list(self.engines.values()):

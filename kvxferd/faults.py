@@ -2,6 +2,9 @@
 `<socket>.faults`:
 
 - `N`: the next N NIXL posts end in ERROR, so tests can fail a transfer inside a subprocess daemon;
+- `break S`: the next NIXL post breaks its peer's connection as NIXL_ERR_REMOTE_DISCONNECT did in the
+  field: every later post to that peer fails until the daemon rebuilds the connection, which fails
+  for S seconds (the cause, say a full tmpfs, lasts that long) and works afterwards;
 - `delay S`: the next WRITE is held S seconds before it is posted (a WRITE delayed past a credit
   revocation, as a stalled worker or network would);
 - `stall S`: the event loop is blocked S seconds, as a long GC pause or a stuck call would block
@@ -89,6 +92,10 @@ async def fault_control(path: str, injector: FaultInjector, delays: PostDelay, t
                 if len(words) == 1 and words[0].isdigit():
                     injector.fail_next(int(words[0]))
                     logger.warning("fault injection: the next %s NIXL transfer(s) will end in ERROR", words[0])
+                elif len(words) == 2 and words[0] == "break":
+                    injector.break_pair(float(words[1]))
+                    logger.warning("fault injection: the next NIXL post breaks its peer's connection (cause lasts "
+                                   "%s s)", words[1])
                 elif len(words) == 2 and words[0] == "delay":
                     delays.add(float(words[1]))
                     logger.warning("fault injection: the next WRITE is held %s s before it is posted", words[1])

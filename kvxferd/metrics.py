@@ -60,6 +60,10 @@ class Metrics:
         self.heartbeat_misses = Counter(
             "kvxferd_heartbeat_misses", "Heartbeats to a peer that got no answer", ["peer"], registry=r
         )
+        self.peer_reconnects = Counter(
+            "kvxferd_peer_reconnects", "Pairs whose NIXL connection was rebuilt after a transport error", ["peer"],
+            registry=r,
+        )
         self.peer_metadata_reloads = Counter(
             "kvxferd_peer_metadata_reloads", "Live peers' NIXL metadata replaced after they registered or released memory",
             ["peer"], registry=r,

@@ -74,11 +74,12 @@ class Node:
         self.peers_view: Callable[[], list[Link]] = list
 
     def attach(self, workers: WorkerPool, window: Callable[[Link], CreditWindow],
-               connect: Callable[[str], Awaitable[Link]], peers: Callable[[], list[Link]]) -> None:
+               connect: Callable[[str], Awaitable[Link]], peers: Callable[[], list[Link]],
+               transport_failed: Callable[[Link, str, float], None] | None = None) -> None:
         """Wires in the worker pool and the peer layer, which are built after the node."""
         self.engines.run_blocking = workers.run_blocking
         self.send.scheduler = Scheduler(workers, self.metrics, window, self.send.chunk_done, self.send.fail,
-                                        self.recv.local_notif)
+                                        self.recv.local_notif, transport_failed)
         self.recv.connect = connect
         self.peers_view = peers
         workers.expecting = lambda: self.recv.unfinished > 0

@@ -147,6 +147,12 @@ class PeerLink:
         # heartbeat_misses of the peer's own heartbeat interval (0: it did not say): a peer that
         # speaks less often than we would is not lost for it.
         self.peer_limit_s = 0.0
+        # kvxferd.peer_heal: the probe of its port while it is silent (started, result), since when
+        # it is judged slow, why its NIXL connection is broken ("": it is not), when it was rebuilt.
+        self.probe: tuple[float, str] | None = None
+        self.slow_since = 0.0
+        self.broken = ""
+        self.rebuilt_at = 0.0
         # Handshakes completed with this instance (shared-secret mode), newest last.
         self.bindings: collections.deque[Binding] = collections.deque(maxlen=BINDINGS_KEPT)
         self.window = CreditWindow(self, metrics)

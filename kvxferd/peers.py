@@ -28,6 +28,7 @@ from kvxferd.errors import InvalidArgument, KvxferError, PermissionDenied, Unava
 from kvxferd.metrics import Metrics
 from kvxferd.peer_auth import Binding, PeerAuth, PeerCreds, Proof
 from kvxferd.peer_dispatch import PeerInbox, dispatch
+from kvxferd.peer_heal import PairHealth
 from kvxferd.peer_limits import PeerLimits, PeerStatus
 from kvxferd.peer_link import CONTROL_TIMEOUT_S, PeerLink, Session, TieBreak, forget, lost_tie_break, proof_of, proof_pb
 from kvxferd.peer_wire import refused as _refused
@@ -68,6 +69,7 @@ class PeerManager:
         # until the first word it gets the handshake's time; so does a handshake until its stream.
         self._limit = config.heartbeat_misses * config.heartbeat_interval_s
         self._first_word = max(self._limit, CONTROL_TIMEOUT_S)
+        self.health = PairHealth(config, transport, workers, metrics, spawn, self._refresh, self.handshake)
 
     # ------------------------------------------------------------------ lookups
 
@@ -384,7 +386,7 @@ class PeerManager:
     def lost(self, h: PeerLink, reason: str) -> None:
         if not h.up:
             return
-        h.up = False
+        h.up, h.broken = False, ""  # a new handshake loads a new entry
         h.down_since = time.monotonic()
         self._lose_session(h, reason)
         if h.agent_name and not h.is_self:
@@ -415,7 +417,7 @@ class PeerManager:
         self.lost(h, f"registry: {reason}")
 
     def _refresh(self) -> None:
-        up = sum(1 for h in self._by_id.values() if h.up)
+        up = sum(1 for h in self._by_id.values() if h.up and not h.broken)
         self._metrics.peers.labels(state="up").set(up)
         self._metrics.peers.labels(state="down").set(len(self._by_id) - up)
 
@@ -463,11 +465,12 @@ class PeerManager:
         while True:
             await asyncio.sleep(interval / 4)
             now = time.monotonic()
+            self.health.woke(now, [h for h in self._by_id.values() if h.up])
             for h in set(self._by_id.values()):
                 try:
                     if not h.up:
                         continue
-                    why = h.silent(now, self._limit, self._first_word)
+                    why = self.health.judge(h, now, h.silent(now, self._limit, self._first_word))
                     if why:
                         self.lost(h, why)
                     else:

@@ -27,15 +27,14 @@ from kvxferd.metrics import Metrics
 from kvxferd.notif import NO_CREDIT, Notif, decode_notifs
 from kvxferd.ports import BootstrapAnswer, BootstrapMsg, Link
 from kvxferd.registry import NoRegistry, Registry
-from kvxferd.rooms import InSlot, ReaderState, RecvRoom, RoomBase
+from kvxferd.rooms import InSlot, ReaderState, RecvRoom, RoomBase, abort_unseen
 from kvxferd.sender import MAX_CHUNK_ID, layouts_compatible
 
 logger = logging.getLogger(__name__)
 
 # grpc.StatusCode.NOT_FOUND: the prefill group is not registered (yet) on the prefill daemon.
 _NOT_FOUND = 5
-_BOOT_RETRY_MIN_S = 0.05
-_BOOT_RETRY_MAX_S = 1.0
+_BOOT_RETRY_MIN_S, _BOOT_RETRY_MAX_S = 0.05, 1.0
 MAX_EARLY_NOTIFS = 4096
 RESOLVE_MARGIN_MIN_S, RESOLVE_MARGIN_MAX_S = 0.25, 1.0
 
@@ -44,8 +43,7 @@ class RecvSide:
     def __init__(self, config: Config, engines: EngineTable, hub: EventHub, clock: RoomClock, metrics: Metrics,
                  ledger: CreditLedger, refresh: Callable[[], None],
                  spawn: Callable[[Coroutine[Any, Any, Any], str], None]) -> None:
-        self.config = config
-        self.engines = engines
+        self.config, self.engines = config, engines
         self.hub = hub
         self.clock = clock
         self.metrics = metrics
@@ -437,6 +435,8 @@ class RecvSide:
                 fut.cancel()
         if push and room.peer is not None and room.peer.up:
             room.peer.send_abort(room.key, code, reason, quiesced=False)
+        elif push and room.peer is None and room.prefill_address:
+            self._spawn(abort_unseen(self.connect, room, code, reason), f"room {room.key}: tell the prefill side")
         self._release_all(room)
         self.hub.recv_state(room)
         self.clock.arm_gc(room, self._gc)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -250,3 +250,17 @@ def token_gap(spans: Iterable[tuple[int, int]], total: int) -> str:
 
 def landed_view(cid: int, s: InSlot) -> LandedChunk:
     return LandedChunk(cid, SlotRef(max(0, s.offset), s.length), s.token_start, s.num_tokens, s.last, s.chunk_bytes)
+
+
+async def abort_unseen(connect: Callable[[str], Awaitable[Link]], room: RecvRoom, code: FailureCode,
+                       reason: str) -> None:
+    """A decode room failed before its bootstrap went out. The prefill side may already hold chunks
+    of it (and their slots) waiting for that bootstrap, until its own deadline (120 s by default):
+    it is told, as it would have been after a bootstrap (it tombstones a room it does not have)."""
+    try:
+        peer = await connect(room.prefill_address)
+    except Exception as exc:
+        logger.info("room %s: the prefill daemon %s was not told of the failure: %s", room.key,
+                    room.prefill_address, exc)
+        return
+    peer.send_abort(room.key, code, reason, quiesced=False)

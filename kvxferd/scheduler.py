@@ -21,7 +21,7 @@ from kvxferd.notif import encode_notif, join_notifs
 from kvxferd.ports import Link
 from kvxferd.rooms import Dest, OutChunk, SendRoom
 from kvxferd.transport import XferState
-from kvxferd.workers import TransferJob, WorkerPool
+from kvxferd.workers import TransferJob, WorkerPool, transport_error
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +31,7 @@ class Scheduler:
         self, workers: WorkerPool, metrics: Metrics, window: Callable[[Link], CreditWindow],
         chunk_done: Callable[[SendRoom, OutChunk], None], fail: Callable[[SendRoom, FailureCode, str], None],
         local_notif: Callable[[bytes], None],
+        transport_failed: Callable[[Link, str, float], None] | None = None,
     ) -> None:
         self._workers = workers
         self._metrics = metrics
@@ -38,6 +39,8 @@ class Scheduler:
         self._chunk_done = chunk_done
         self._fail = fail
         self._local_notif = local_notif
+        # The peer layer rebuilds a pair's NIXL connection after a transport error (kvxferd.peer_heal).
+        self._transport_failed = transport_failed
         self._waiting = 0
         # Read when scraped rather than set per chunk: a Gauge.set takes a lock, and per chunk it
         # was 3.5 % of the prefill loop's GIL-held samples at TP 4->2 with 5 MiB chunks (16 cores).
@@ -251,6 +254,8 @@ class Scheduler:
                 self._local_notif(job.notif)
         else:
             self._metrics.nixl_errors.labels(peer=peer.daemon_id).inc()
+            if self._transport_failed is not None and not peer.is_self and transport_error(error):
+                self._transport_failed(peer, error, job.posted_at)
             self._fail(room, FailureCode.TRANSFER_ERROR,
                        f"chunk {chunk.spec.chunk_id}: transfer to {peer.daemon_id}: {error}")
         if chunk.in_flight == 0 and (chunk.parts_pending == 0 or room.finished):

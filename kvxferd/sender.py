@@ -415,7 +415,9 @@ class SendSide:
         the room is tombstoned). `quiesced` False: an abort from the decode side, which a
         zero-copy room answers once quiesced."""
         room = self.rooms.get(key.id)
-        if room is not None and room.key == key and room.peer is peer:
+        # A room no decode daemon has bootstrapped (its engines' chunks and slots wait for one) is
+        # failed by the first decode daemon that gives up on it (kvxferd.rooms.abort_unseen).
+        if room is not None and room.key == key and (room.peer is peer or room.peer is None):
             self.fail(room, code, f"decode side: {reason}", push=False)
             if room.zero_copy and not quiesced:
                 # The decode side fences the room's pages until we answer (again, if it asks

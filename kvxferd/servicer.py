@@ -330,7 +330,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             ],
             peers=[
                 engine_pb2.PeerInfo(
-                    daemon_id=p.daemon_id, address=p.address, state="up" if p.up else "down",
+                    daemon_id=p.daemon_id, address=p.address, state="up" if p.up and not p.broken else "down",
                     rooms=self._node.rooms_with(p),
                 )
                 for p in st["peers"]  # type: ignore[attr-defined]

@@ -11,6 +11,7 @@ import ctypes
 import enum
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
@@ -41,6 +42,8 @@ class Transport(Protocol):
 
     def remove_remote(self, name: str) -> None: ...
 
+    def reconnect(self, name: str, metadata: bytes) -> str: ...
+
     def post_write(self, remote: str, pairs: Sequence[tuple[int, int, int]], notif: bytes,
                    local_mem: str = "DRAM", remote_mem: str = "DRAM",
                    local_device: int = 0, remote_device: int = 0) -> object: ...
@@ -69,6 +72,11 @@ class FaultInjector:
         self._lock = threading.Lock()
         self._next = 0
         self._matching: list[list[Any]] = []  # [predicate, remaining or None]
+        # `break_pair`: the next post breaks its peer's connection (every later post to it fails)
+        # until the connection is rebuilt (reconnect) once `_cause_until` (monotonic) has passed.
+        self._break_next = False
+        self._cause_until = 0.0
+        self._broken: set[str] = set()
 
     def fail_next(self, n: int = 1) -> None:
         """The next n posts (on any peer) fail."""
@@ -88,15 +96,42 @@ class FaultInjector:
         with self._lock:
             self._next = 0
             self._matching.clear()
+            self._break_next = False
+            self._broken.clear()
+
+    def break_pair(self, cause_s: float) -> None:
+        """The next post breaks its peer's connection for good, as NIXL_ERR_REMOTE_DISCONNECT did in
+        the field: every later post to that peer fails until its connection is rebuilt, and a
+        rebuild fails while the cause lasts (`cause_s` from now)."""
+        with self._lock:
+            self._break_next = True
+            self._cause_until = time.monotonic() + cause_s
+
+    def broken(self, remote: str) -> bool:
+        return remote in self._broken
+
+    def rebuilt(self, remote: str) -> None:
+        """A rebuild of `remote`'s connection: refused (TransportError) while the cause lasts."""
+        with self._lock:
+            if remote in self._broken and time.monotonic() < self._cause_until:
+                raise TransportError(f"reconnecting to {remote} failed: NIXL_ERR_REMOTE_DISCONNECT (injected: the "
+                                     f"cause is still there)")
+            self._broken.discard(remote)
 
     @property
     def armed(self) -> bool:
         with self._lock:
-            return self._next > 0 or bool(self._matching)
+            return self._next > 0 or bool(self._matching) or self._break_next or bool(self._broken)
 
     def should_fail(self, remote: str, pairs: Sequence[tuple[int, int, int]], notif: bytes) -> bool:
         """Called once per post; consumes one armed failure when it returns True."""
+        if self._broken and remote in self._broken:
+            return True
         with self._lock:
+            if self._break_next:
+                self._break_next = False
+                self._broken.add(remote)
+                return True
             if self._next > 0:
                 self._next -= 1
                 return True
@@ -208,6 +243,12 @@ class LocalTransport:
     def remove_remote(self, name: str) -> None:
         with self._lock:
             self._remotes.discard(name)
+
+    def reconnect(self, name: str, metadata: bytes) -> str:
+        self.remove_remote(name)
+        if self._faults is not None:
+            self._faults.rebuilt(name)
+        return self.add_remote(metadata)
 
     def _covered(self, addr: int, length: int) -> bool:
         with self._lock:

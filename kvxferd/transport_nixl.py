@@ -200,6 +200,25 @@ class NixlTransport:
                 return
             self._forget(name)
 
+    def reconnect(self, name: str, metadata: bytes) -> str:
+        """Drops a peer's entry and its connection and loads `metadata` afresh; returns the agent name.
+
+        After a transport error (NIXL_ERR_REMOTE_DISCONNECT) NIXL keeps the failed UCX endpoint
+        in the entry, and every later WRITE to that peer failed the same way until the daemon
+        restarted; a new entry makes a new endpoint. Callers quiesce the peer first
+        (WorkerPool.exclusive), as for add_remote."""
+        with self._ctl:
+            self._check_open()
+            self._forget(name)
+            if self._faults is not None:
+                self._faults.rebuilt(name)
+            try:
+                loaded = _as_str(self._agent.add_remote_agent(metadata))
+            except Exception as exc:
+                raise TransportError(f"reloading NIXL metadata of {name} failed: {exc}") from exc
+            self._remotes[loaded] = metadata
+            return loaded
+
     def _forget(self, name: str) -> None:
         known = self._remotes.pop(name, None) is not None
         try:

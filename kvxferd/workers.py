@@ -63,6 +63,17 @@ _MERGE_MAX = 8
 _MERGE_SCAN = 64
 
 
+# How a job that the transport failed is reported (a failed post, or NIXL's ERR on a posted WRITE),
+# as opposed to one failed here (credit revoked, daemon stopping, a same-node copy).
+POST_FAILED = "post failed: "
+NIXL_ERR = "NIXL reported ERR"
+
+
+def transport_error(error: str) -> bool:
+    """Whether a failed job's error came from the transport, i.e. the peer's connection may be broken."""
+    return error == NIXL_ERR or error.startswith(POST_FAILED)
+
+
 def _deliver(jobs: list[TransferJob], state: XferState, error: str) -> None:
     for job in jobs:
         job.on_done(job, state, error)
@@ -318,7 +329,7 @@ class WorkerPool:
             )
         except Exception as exc:
             logger.warning("posting transfer to %s failed: %s", job.remote, exc)
-            self._report_all(jobs, XferState.ERROR, f"post failed: {exc}")
+            self._report_all(jobs, XferState.ERROR, f"{POST_FAILED}{exc}")
             return None
         return _Posted(handle, jobs)
 
@@ -371,7 +382,7 @@ class WorkerPool:
                 continue
             progressed = True
             self._release(p)
-            self._report_all(p.jobs, state, "" if state is XferState.DONE else "NIXL reported ERR")
+            self._report_all(p.jobs, state, "" if state is XferState.DONE else NIXL_ERR)
         return still, progressed
 
     def _check(self, p: _Posted) -> XferState:
