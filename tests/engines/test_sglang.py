@@ -5,10 +5,10 @@ backend's own bootstrap server. Covers chunked sends (several send() calls per r
 abort mid-room (the decode side fails with the reason, never hangs), heterogeneous TP both ways
 (the daemon slices heads), and every landed byte and aux item checked.
 
-sglang as an engine (its scheduler, model runner and kernels) needs CUDA and a torchvision that
-loads with the CUDA torch it pins; on these CPU machines only its disaggregation base classes
-import, so that is what these tests drive, plus the plugin registration through sglang's real
-hook registry."""
+These drive the backend through sglang's base classes with hand-written loops (cheap: only
+sglang's base module imports), and count the daemon calls sglang's per-step polls cost; the same
+backend under sglang's own scheduler queues and mixins, and its loading through sglang's plugin
+loader, is tests/engines/test_sglang_sched.py."""
 
 from __future__ import annotations
 
@@ -66,25 +66,13 @@ def test_sglang_backend_pd(daemons: Any, prefill_tp: int, decode_tp: int) -> Non
             assert res["checked_bytes"] == want
 
 
-def test_plugin_registers_backend_choice_and_hooks() -> None:
-    # The entry point sglang's load_plugins() discovers (installed package metadata).
+def test_plugin_entry_point_is_installed() -> None:
+    # The entry point sglang's load_plugins() discovers (installed package metadata); the loading
+    # itself, through sglang's loader and hook registry, is in test_sglang_sched.py.
     from importlib.metadata import entry_points
 
-    from sglang.srt.arg_groups.choices import DISAGG_TRANSFER_BACKEND_CHOICES
-    from sglang.srt.plugins.hook_registry import HookRegistry
-
-    import kvxfer_client.sglang as plugin
     eps = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "kvxferd"]
     assert [ep.value for ep in eps] == ["kvxfer_client.sglang:register"]
-
-    try:
-        plugin.register()
-    except ModuleNotFoundError as exc:
-        # sglang.srt.disaggregation.utils imports sglang's model configs, which import torchvision;
-        # the CPU venv has none that loads (see the module docstring).
-        pytest.skip(f"sglang's disaggregation utils do not import here: {exc}")
-    assert "kvxferd" in DISAGG_TRANSFER_BACKEND_CHOICES
-    assert any(t.endswith("get_kv_class") for t in HookRegistry._hooks)
 
 
 def test_hook_routes_only_kvxferd_and_enum_gains_member() -> None:

@@ -11,7 +11,9 @@
   item. Head slicing between prefill and decode TP sizes is the daemon's.
 * ``KvxferdKVBootstrapServer`` (``_bootstrap.py``, on the prefill host, sglang's bootstrap port)
   tells decode ranks which daemon and group serve a prefill instance; it is the only thing the
-  two sides exchange outside kvxferd.
+  two sides exchange outside kvxferd. sglang's decode prealloc queue asks the manager for it with
+  ``try_ensure_parallel_info(bootstrap_addr)`` before it inits a receiver, and reads the cached
+  answer from ``prefill_info_table`` (as for its own backends).
 
 Room states map one to one onto ``KVPoll``; a failed room raises ``KvxferdTransferError`` from
 ``failure_exception`` with the daemon's failure code and reason.
@@ -20,12 +22,9 @@ Room states map one to one onto ``KVPoll``; a failed room raises ``KvxferdTransf
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
 import threading
-import time
-import urllib.request
 from typing import Any
 
 import grpc
@@ -40,13 +39,15 @@ from sglang.srt.disaggregation.base.conn import (
 from kvxfer_client._common import ChunkRefused, KvxferError, Landed, Layout, RoomEvent, RoomState
 from kvxfer_client._sync import DecodeReceiver
 from kvxfer_client._sync_prefill import PrefillSender
+from kvxfer_client.sglang._bootstrap import PrefillRoute, fetch_route, put_route
 from kvxfer_client.sglang._pages import PagedBuffers, dtype_bytes, wrap
 from kvxfer_client.sglang._watch import RESYNC_S, RoomView, RoomWatch
 
 logger = logging.getLogger(__name__)
 
 RING_BYTES_ENV = "KVXFER_SGLANG_RING_BYTES"
-ROUTE_TIMEOUT_S = 30.0
+# One route lookup (sglang's queue retries a failed one each second, 15 times, then fails its rooms).
+ROUTE_TIMEOUT_S = 5.0
 _POLL = {RoomState.BOOTSTRAPPING: KVPoll.Bootstrapping, RoomState.WAITING_FOR_INPUT: KVPoll.WaitingForInput,
          RoomState.TRANSFERRING: KVPoll.Transferring, RoomState.SUCCESS: KVPoll.Success,
          RoomState.FAILED: KVPoll.Failed}
@@ -72,19 +73,10 @@ class KvxferdKVManager(BaseKVManager):
         if self.mode not in ("prefill", "decode"):
             raise ValueError(f"kvxferd backend: disaggregation mode {self.mode!r} is neither prefill nor decode")
         self.is_mla = bool(is_mla_backend)
-        planes = 1 if self.is_mla else 2
-        heads = 1 if self.is_mla else int(args.kv_head_num)
-        device = "cuda" if getattr(server_args, "device", "cpu") == "cuda" else "cpu"
-        self.pages = PagedBuffers(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens, planes,
-                                  int(args.page_size), heads, device)
+        self.page_size = int(args.page_size)
+        self._device = "cuda" if getattr(server_args, "device", "cpu") == "cuda" else "cpu"
         self.aux = [wrap(p, n) for p, n in zip(args.aux_data_ptrs, args.aux_data_lens, strict=True)]
         self.aux_item_lens = list(args.aux_item_lens)
-        width = dtype_bytes(str(getattr(args, "kv_cache_dtype_str", "") or "auto"), None) if not self.is_mla else 1
-        layout = Layout(
-            num_layers=self.pages.layers, total_kv_heads=1 if self.is_mla else int(args.total_kv_head_num),
-            head_dim=self.pages.head_bytes // width, dtype_bytes=width, page_size=int(args.page_size),
-            mla=self.is_mla,
-        )
         self.tp_size = int(getattr(server_args, "tp_size", 1))
         self.tp_rank = int(args.engine_rank) % self.tp_size
         self.bootstrap_host = str(getattr(server_args, "host", "127.0.0.1"))
@@ -92,31 +84,114 @@ class KvxferdKVManager(BaseKVManager):
         # One group per serving instance, the same on every TP rank of it.
         self.group = (f"sglang-prefill-{self.bootstrap_host}:{self.bootstrap_port}" if self.mode == "prefill"
                       else f"sglang-decode-{self.bootstrap_host}:{getattr(server_args, 'port', 0)}")
-        common: dict[str, Any] = {"group": self.group, "layout": layout, "tp_size": self.tp_size,
-                                  "tp_rank": self.tp_rank, "ring_bytes": int(os.environ.get(RING_BYTES_ENV, 64 << 20)),
-                                  "name": f"sglang-{self.mode}-tp{self.tp_rank}"}
-        self.tx = PrefillSender(**common) if self.mode == "prefill" else None
-        self.rx = DecodeReceiver(**common) if self.mode == "decode" else None
+        # bootstrap address -> route of that prefill instance (decode side; sglang's queues read it).
+        self.prefill_info_table: dict[str, PrefillRoute] = {}
         self._lock = threading.Lock()
         self._receivers: dict[int, KvxferdKVReceiver] = {}
         self._senders: dict[int, KvxferdKVSender] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
-        client: Any = self.tx if self.tx is not None else self.rx
-        self.events = RoomWatch(client, "kvxfer-sglang-events",
-                                self._sender_events if self.tx is not None else self._receiver_events)
-        if self.rx is not None:
-            threading.Thread(target=self._load_loop, name="kvxfer-sglang-load", daemon=True).start()
-        if self.tx is not None:
+        self.tx: PrefillSender | None = None
+        self.rx: DecodeReceiver | None = None
+        self.pages: PagedBuffers | None = None
+        self.events: RoomWatch | None = None
+        heads = 1 if self.is_mla else getattr(args, "kv_head_num", None)
+        if heads is not None:
+            self._start(int(heads), self._own_layout(int(heads)))
+        elif self.mode == "prefill":
+            raise ValueError("kvxferd backend: a prefill KVArgs without kv_head_num (sglang sets it for MHA pools)")
+        # Else a decode rank: sglang's decode KVArgs do not say the KV heads, so the rank
+        # registers with the layout the first prefill route tells (try_ensure_parallel_info).
+
+    @property
+    def paged(self) -> PagedBuffers:
+        assert self.pages is not None, "the rank has not registered with its daemon yet"
+        return self.pages
+
+    @property
+    def epoch(self) -> int:
+        """Room-event streams opened so far (see RoomWatch.epoch)."""
+        return self.events.epoch if self.events is not None else 0
+
+    def _own_layout(self, heads: int) -> Layout:
+        """The layout as this rank's KVArgs say it. A dtype sglang names "auto" (the model's) has
+        no width here: the head is then described in bytes, which is all the daemon moves."""
+        item = self.kv_args.kv_item_lens[0]
+        head_bytes = item // (self.page_size * heads)
+        try:
+            width = 1 if self.is_mla else dtype_bytes(str(getattr(self.kv_args, "kv_cache_dtype_str", "") or "auto"))
+        except ValueError:
+            width = 1
+        total = 1 if self.is_mla else int(getattr(self.kv_args, "total_kv_head_num", 0) or heads * self.tp_size)
+        planes = 1 if self.is_mla else 2
+        return Layout(num_layers=len(self.kv_args.kv_data_ptrs) // planes, total_kv_heads=total,
+                      head_dim=head_bytes // width, dtype_bytes=width, page_size=self.page_size, mla=self.is_mla)
+
+    def _start(self, heads: int, layout: Layout) -> None:
+        """Wraps the pool, registers the rank with its daemon and starts the room-event reader
+        (and, on decode, the loader)."""
+        args = self.kv_args
+        self.pages = PagedBuffers(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens, 1 if self.is_mla else 2,
+                                  self.page_size, heads, self._device)
+        common: dict[str, Any] = {"group": self.group, "layout": layout, "tp_size": self.tp_size,
+                                  "tp_rank": self.tp_rank, "ring_bytes": int(os.environ.get(RING_BYTES_ENV, 64 << 20)),
+                                  "name": f"sglang-{self.mode}-tp{self.tp_rank}"}
+        if self.mode == "prefill":
+            self.tx = PrefillSender(**common)
+            self.events = RoomWatch(self.tx, "kvxfer-sglang-events", self._sender_events)
             self.register_to_bootstrap()
+        else:
+            self.rx = DecodeReceiver(**common)
+            self.events = RoomWatch(self.rx, "kvxfer-sglang-events", self._receiver_events)
+            threading.Thread(target=self._load_loop, name="kvxfer-sglang-load", daemon=True).start()
 
     def register_to_bootstrap(self) -> None:
         assert self.tx is not None
-        body = json.dumps({"group": self.group, "address": self.tx.peer_address, "tp_size": self.tp_size}).encode()
-        req = urllib.request.Request(f"http://{self.bootstrap_host}:{self.bootstrap_port}/kvxferd/route",
-                                     data=body, method="PUT", headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=10) as r:
-            r.read()
+        lay = self.tx.layout
+        put_route(f"{self.bootstrap_host}:{self.bootstrap_port}",
+                  PrefillRoute(self.group, self.tx.peer_address, self.tp_size, self.page_size, lay.total_kv_heads,
+                               lay.head_dim, lay.dtype_bytes, lay.mla))
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """One attempt to learn the route of the prefill instance at `bootstrap_addr` (cached once
+        known): sglang's decode prealloc queue calls it before it inits receivers of that instance
+        and retries a False later. A prefill of another page size is a setup error, raised as
+        sglang's own backends raise it."""
+        if bootstrap_addr in self.prefill_info_table:
+            return True
+        try:
+            route = fetch_route(bootstrap_addr, ROUTE_TIMEOUT_S)
+        except (OSError, ValueError) as exc:
+            logger.warning("no kvxferd route from the prefill bootstrap server %s yet: %s", bootstrap_addr, exc)
+            return False
+        if route.page_size != self.page_size:
+            raise RuntimeError(f"page size mismatch: the prefill at {bootstrap_addr} has page_size={route.page_size}, "
+                               f"this decode {self.page_size}; both must use the same --page-size")
+        if self.rx is None:
+            self._start_from(route, bootstrap_addr)
+        self.prefill_info_table[bootstrap_addr] = route
+        return True
+
+    def _start_from(self, route: PrefillRoute, bootstrap_addr: str) -> None:
+        """Registers this decode rank with the KV layout the prefill instance says (sglang's decode
+        KVArgs have no head counts); the rank's own pool must hold this rank's share of it."""
+        if not route.total_kv_heads or route.mla != self.is_mla:
+            raise RuntimeError(f"the prefill at {bootstrap_addr} does not say a KV layout this decode can take "
+                               f"(mla={route.mla}, this decode mla={self.is_mla})")
+        heads = 1 if self.is_mla else max(1, route.total_kv_heads // self.tp_size)
+        want = self.page_size * heads * route.head_dim * route.dtype_bytes
+        if self.kv_args.kv_item_lens[0] != want:
+            raise RuntimeError(f"KV layout mismatch: the prefill at {bootstrap_addr} has {route.total_kv_heads} KV heads "
+                               f"of {route.head_dim * route.dtype_bytes} B, so a page of this decode (TP {self.tp_size}) "
+                               f"would be {want} B; it is {self.kv_args.kv_item_lens[0]} B")
+        self._start(heads, Layout(num_layers=len(self.kv_args.kv_data_ptrs) // (1 if self.is_mla else 2),
+                                  total_kv_heads=route.total_kv_heads, head_dim=route.head_dim,
+                                  dtype_bytes=route.dtype_bytes, page_size=self.page_size, mla=self.is_mla))
+
+    def forget_route(self, bootstrap_addr: str) -> None:
+        """Drops a route that failed (the prefill instance may have come back elsewhere): the next
+        request of that instance looks it up again."""
+        self.prefill_info_table.pop(bootstrap_addr, None)
 
     def aux_bytes(self, index: int) -> bytes:
         return b"".join(bytes(buf[index * n : (index + 1) * n].numpy()) for buf, n in zip(self.aux, self.aux_item_lens, strict=True))
@@ -137,7 +212,7 @@ class KvxferdKVManager(BaseKVManager):
             self._senders.pop(room, None)
 
     def _sender_events(self, batch: list[RoomEvent]) -> None:
-        epoch = self.events.epoch
+        epoch = self.epoch
         with self._lock:
             for ev in batch:
                 sender = self._senders.get(ev.room)
@@ -195,7 +270,7 @@ class KvxferdKVManager(BaseKVManager):
             self._wake.clear()
             with self._lock:
                 active = list(self._receivers.values())
-            epoch = self.events.epoch
+            epoch = self.epoch
             marks: list[tuple[KvxferdKVReceiver, list[int]]] = []
             for recv in active:
                 fresh = recv.advance(epoch)
@@ -215,7 +290,8 @@ class KvxferdKVManager(BaseKVManager):
     def close(self) -> None:
         self._stop.set()
         self._wake.set()
-        self.events.close()
+        if self.events is not None:
+            self.events.close()
         for c in (self.tx, self.rx):
             if c is not None:
                 c.close()
@@ -236,6 +312,7 @@ class KvxferdKVSender(BaseKVSender):
                  req_has_disagg_prefill_dp_rank: bool = False) -> None:
         assert mgr.tx is not None, "a KV sender needs a prefill-mode manager"
         self.mgr, self.tx, self.room = mgr, mgr.tx, int(bootstrap_room)
+        self.kv_mgr = mgr  # sglang's queues read the manager under this name
         self.num_pages = 0
         self.aux_index: int | None = None
         self.sent_pages = 0
@@ -252,7 +329,7 @@ class KvxferdKVSender(BaseKVSender):
         pages = [int(p) for p in kv_indices]
         if not pages or self._error:
             return
-        ps = self.mgr.pages.page_size
+        ps = self.mgr.page_size
         tokens = len(pages) * ps
         last = self.sent_pages + len(pages) >= self.num_pages
         try:
@@ -264,7 +341,7 @@ class KvxferdKVSender(BaseKVSender):
             self.mgr.release_slot(slot)
             return
         try:
-            self.mgr.pages.gather(pages, self.mgr.pages.slot(self.tx.tensor(slot.offset, slot.chunk_bytes), tokens))
+            self.mgr.paged.gather(pages, self.mgr.paged.slot(self.tx.tensor(slot.offset, slot.chunk_bytes), tokens))
             aux = self.mgr.aux_bytes(self.aux_index) if last and self.aux_index is not None else b""
             self._settling(lambda: self.tx.enqueue(self.room, self.chunk_id, self.sent_pages * ps, tokens, slot,
                                                    last=last, aux=aux, wait=False))
@@ -304,19 +381,22 @@ class KvxferdKVSender(BaseKVSender):
         if self._error:
             return KVPoll.Failed
         view = self.view
-        if self.chunk_id and view.state is not None and not view.stale(self.mgr.events.epoch):
+        if self.chunk_id and view.state is not None and not view.stale(self.mgr.epoch):
             return self._state(view.state, view.failure)
         return self._poll_daemon()
 
     def _state(self, state: RoomState, failure: str) -> int:
         if state is RoomState.FAILED:
             self._error = self._error or failure
-        if self.chunk_id == 0 and state in (RoomState.BOOTSTRAPPING, RoomState.WAITING_FOR_INPUT):
-            return KVPoll.WaitingForInput  # chunks wait in the ring for the decode's handshake
+        if state in (RoomState.BOOTSTRAPPING, RoomState.WAITING_FOR_INPUT):
+            # Chunks wait in the ring for the decode's handshake, so prefill never waits for it:
+            # before this rank's first chunk the room waits for input, after it the transfer is
+            # under way (sglang's inflight queue takes only those two, Bootstrapping is an error there).
+            return KVPoll.Transferring if self.chunk_id else KVPoll.WaitingForInput
         return _POLL[state]
 
     def _poll_daemon(self) -> int:
-        epoch = self.mgr.events.epoch
+        epoch = self.mgr.epoch
         try:
             st = self.tx.poll(self.room)
         except KvxferError as exc:
@@ -360,11 +440,12 @@ class KvxferdKVReceiver(BaseKVReceiver):
     comes, watermarks it and, on SUCCESS, writes the aux item; poll() reads the outcome."""
 
     def __init__(self, mgr: KvxferdKVManager, bootstrap_addr: str, bootstrap_room: int | None = None) -> None:
-        assert mgr.rx is not None, "a KV receiver needs a decode-mode manager"
-        self.mgr, self.rx = mgr, mgr.rx
+        assert mgr.mode == "decode", "a KV receiver needs a decode-mode manager"
+        self.mgr = mgr
+        self.kv_mgr = mgr  # sglang's queues read the manager under this name
         self.bootstrap_addr = bootstrap_addr
         self.room = int(bootstrap_room or 0)
-        self.route: dict[str, Any] | None = None
+        self.route: PrefillRoute | None = None
         self.pages: list[int] = []
         self.aux_index: int | None = None
         self.done_chunks: set[int] = set()
@@ -374,23 +455,30 @@ class KvxferdKVReceiver(BaseKVReceiver):
         self._tokens = 0  # scattered so far
         self._error = ""
 
-    def init(self, prefill_dp_rank: int = 0) -> None:
-        # Off the scheduler thread: the prefill instance may not have registered its route yet.
-        threading.Thread(target=self._resolve, name="kvxfer-sglang-route", daemon=True).start()
+    @property
+    def rx(self) -> DecodeReceiver:
+        # The manager registers with its daemon once it knows a prefill's layout, which sglang
+        # looks up (try_ensure_parallel_info) after it has made this receiver.
+        assert self.mgr.rx is not None, "the decode rank has no prefill route yet"
+        return self.mgr.rx
 
-    def _resolve(self, timeout: float = ROUTE_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://{self.bootstrap_addr}/kvxferd/route", timeout=5) as r:
-                    self.route = json.loads(r.read())
-                self.state = KVPoll.WaitingForInput
-                return
-            except Exception as exc:
-                if time.monotonic() > deadline:
-                    self.fail(f"no kvxferd route from the prefill bootstrap server {self.bootstrap_addr}: {exc}")
-                    return
-            time.sleep(0.1)
+    @property
+    def conclude_state(self) -> int | None:
+        """The room's outcome once it has one (sglang's queues read it), else None."""
+        return self.state if self.state in (KVPoll.Success, KVPoll.Failed) else None
+
+    def init(self, prefill_dp_rank: int = 0) -> None:
+        """sglang calls this once ``try_ensure_parallel_info`` found the prefill's route (as for its
+        own backends, a receiver without one fails)."""
+        self.route = self.mgr.prefill_info_table.get(self.bootstrap_addr)
+        if self.route is None:
+            self.fail(f"no kvxferd route for the prefill at {self.bootstrap_addr} (try_ensure_parallel_info "
+                      f"has not found one)")
+            return
+        if prefill_dp_rank != 0:
+            self.fail(f"prefill DP rank {prefill_dp_rank}: a kvxferd prefill instance has one DP rank")
+            return
+        self.state = KVPoll.WaitingForInput
 
     def send_metadata(self, kv_indices: Any, aux_index: int | None = None, state_indices: Any = None,
                       decode_prefix_len: int | None = None, destination: Any = None) -> None:
@@ -400,10 +488,10 @@ class KvxferdKVReceiver(BaseKVReceiver):
         self.aux_index = aux_index
         self.mgr.watch(self)  # before the room exists: no event of it can come unheard
         try:
-            self.rx.expect(self.room, self.route["address"], self.route["group"],
-                           len(self.pages) * self.mgr.pages.page_size)
+            self.rx.expect(self.room, self.route.address, self.route.group, len(self.pages) * self.mgr.page_size)
         except KvxferError as exc:
             self.mgr.unwatch(self.room)
+            self.mgr.forget_route(self.bootstrap_addr)
             self.fail(f"ExpectRoom failed: {exc}")
             return
         self.state = KVPoll.Transferring
@@ -434,21 +522,21 @@ class KvxferdKVReceiver(BaseKVReceiver):
             return []
 
     def _scatter(self, landed: list[Landed]) -> list[int]:
-        ps = self.mgr.pages.page_size
+        ps = self.mgr.page_size
         fresh: list[int] = []
         for c in landed:
             if c.chunk_id in self.done_chunks:
                 continue
             first = c.token_start // ps
             chunk_pages = self.pages[first : first + c.num_tokens // ps]
-            self.mgr.pages.scatter(chunk_pages, self.mgr.pages.slot(self.rx.tensor(c.offset, c.chunk_bytes), c.num_tokens))
+            self.mgr.paged.scatter(chunk_pages, self.mgr.paged.slot(self.rx.tensor(c.offset, c.chunk_bytes), c.num_tokens))
             self.done_chunks.add(c.chunk_id)
             self._tokens += c.num_tokens
             fresh.append(c.chunk_id)
         return fresh
 
     def _complete(self) -> bool:
-        return self._tokens >= len(self.pages) * self.mgr.pages.page_size
+        return self._tokens >= len(self.pages) * self.mgr.page_size
 
     def finish(self) -> bool:
         """Loader thread, after the sweep's watermarks: True once the room has its outcome."""
@@ -461,7 +549,7 @@ class KvxferdKVReceiver(BaseKVReceiver):
             return True
         if self.view.state is RoomState.SUCCESS:
             if not self._complete():
-                self.fail(f"SUCCESS with {self._tokens} of {len(self.pages) * self.mgr.pages.page_size} tokens seen")
+                self.fail(f"SUCCESS with {self._tokens} of {len(self.pages) * self.mgr.page_size} tokens seen")
                 return True
             if self.aux_index is not None:
                 self.mgr.write_aux(self.aux_index, self.view.aux)
