@@ -11,7 +11,7 @@ from typing import Any
 
 from kvxferd import __version__
 
-_BENCHES = ("loopback", "rpc", "kernels", "soak")
+_BENCHES = ("loopback", "rpc", "kernels", "soak", "engines")
 
 
 def _serve(args: argparse.Namespace) -> int:
