@@ -56,7 +56,8 @@ def engine_env() -> None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
-def engine_main(role: str, model: str, socket: str, block_size: int, max_batched: int, cmds: Any, out: Any) -> None:
+def engine_main(role: str, model: str, socket: str, block_size: int, max_batched: int, cmds: Any, out: Any,
+                extra: dict[str, Any] | None = None) -> None:
     """One vLLM engine; runs ("generate", prompts, params, max_tokens) commands until None."""
     try:
         engine_env()
@@ -67,7 +68,8 @@ def engine_main(role: str, model: str, socket: str, block_size: int, max_batched
         if role != "reference":
             kw["kv_transfer_config"] = KVTransferConfig(
                 kv_connector="KvxferdConnector", kv_connector_module_path="kvxfer_client.vllm", kv_role="kv_both",
-                kv_connector_extra_config={"socket": socket, "group": f"pd-{role}", "ring_bytes": 16 << 20},
+                kv_connector_extra_config={"socket": socket, "group": f"pd-{role}", "ring_bytes": 16 << 20,
+                                           **(extra or {})},
             )
         t0 = time.monotonic()
         llm = LLM(model=model, dtype="float32", max_model_len=1024, enforce_eager=True, seed=0,
@@ -97,7 +99,8 @@ class Engine:
         self.cmds: Any = ctx.Queue()
         self.out: Any = ctx.Queue()
         self.proc = ctx.Process(target=engine_main, name=f"vllm-{role}", daemon=True, args=(
-            role, model, socket, args.block_size, args.max_batched_tokens, self.cmds, self.out))
+            role, model, socket, args.block_size, args.max_batched_tokens, self.cmds, self.out,
+            getattr(args, "extra_config", None)))
         self.proc.start()
 
     def wait(self, kind: str, timeout: float) -> Any:

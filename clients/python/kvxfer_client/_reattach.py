@@ -7,7 +7,9 @@ KvxferError a call raised to ``failed(exc, epoch)``. An error that says the regi
 (the daemon restarted: NOT_FOUND "earlier instance", or forgot the engine: "unknown engine") or
 that the daemon cannot be reached in time (UNAVAILABLE, DEADLINE_EXCEEDED) marks the path DOWN:
 ``get()`` then raises :class:`Detached` at once, without touching the daemon, so an engine's
-step never waits on a daemon that is away. A thread of its own probes the daemon meanwhile:
+step never waits on a daemon that is away. A thread of its own probes the daemon every
+``retry_s`` (KeepAlive: one small call), so a daemon that restarted while the engine was idle is
+registered with again before the engine's next transfer needs it; while DOWN:
 
 * the same registration still answers (a stalled daemon resumed in time): UP again, same epoch;
   its rooms go on;
@@ -85,6 +87,7 @@ class Reattach(Generic[C]):
         self.reason = ""
         self.transitions = 0  # DOWN and UP changes, for metrics and tests
         self._down = False
+        self._slow = 0  # KeepAlive probes in a row that got no answer in time
         self._closed = threading.Event()
         self._wake = threading.Event()
         self._retired: list[tuple[float, C]] = []
@@ -132,13 +135,34 @@ class Reattach(Generic[C]):
 
     def _heal_loop(self) -> None:
         while not self._closed.is_set():
-            self._wake.wait(1.0)
+            self._wake.wait(self._retry_s)
             self._wake.clear()
             self._close_retired(time.monotonic())
+            if not self._down:
+                self._watch()
             while self._down and not self._closed.is_set():
                 if self._try_heal():
                     break
                 self._closed.wait(self._retry_s)
+
+    def _watch(self) -> None:
+        """While up: a daemon that restarted, died or stalled is noticed here, before the
+        engine's next transfer needs it (that transfer then goes to the new registration, or
+        fails at once instead of waiting out a call timeout). One slow answer is not taken for a
+        stall (a loaded host is slow); two in a row are."""
+        with self._lock:
+            client, epoch = self._client, self.epoch
+        try:
+            client.stub.KeepAlive(engine_pb2.KeepAliveRequest(engine_id=client.engine_id), timeout=self._probe_timeout)
+        except KvxferError as exc:
+            slow = exc.code is grpc.StatusCode.DEADLINE_EXCEEDED
+            self._slow = self._slow + 1 if slow else 0
+            if not slow or self._slow >= 2:
+                self.failed(exc, epoch)
+            return
+        except grpc.RpcError:
+            return
+        self._slow = 0
 
     def _try_heal(self) -> bool:
         with self._lock:
@@ -168,7 +192,7 @@ class Reattach(Generic[C]):
 
     def _set_up(self, epoch: int, how: str) -> None:
         with self._lock:
-            self._down, self.reason = False, ""
+            self._down, self.reason, self._slow = False, "", 0
             self.transitions += 1
         logger.warning("kvxferd transfer path UP again for %s (epoch %d): %s", self.what, epoch, how)
         self._on_change(True, epoch, how)

@@ -32,7 +32,10 @@ What an operator sees: one WARNING log line per transition, ``kvxferd transfer p
 <group> rank <r> (epoch <e>): <why>`` and ``... UP again ...``; vLLM's periodic stats line
 ``KV Transfer metrics: kvxfer_path_down=1, kvxfer_path_transitions=.., kvxfer_failed_sends=..,
 kvxfer_failed_loads=..`` (engines started with stats logging, the default of ``vllm serve``);
-and decode outputs' ``kv_transfer_params``: ``kvxfer_loaded_tokens`` is 0 for a failed load.
+on ``/metrics`` the gauge ``vllm:kvxferd_transfer_path_down`` and the counters
+``vllm:kvxferd_transfer_path_transitions``, ``vllm:kvxferd_failed_sends``,
+``vllm:kvxferd_failed_loads`` (``_metrics.py``); and decode outputs' ``kv_transfer_params``:
+``kvxfer_loaded_tokens`` is 0 for a failed load.
 
 Needs vLLM (``pip install 'kvxferd[vllm]'``); importing ``kvxfer_client`` itself never imports vLLM.
 """
@@ -51,7 +54,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvxfer_client.vllm import _paged
 from kvxfer_client.vllm._config import Settings, StepPlan
-from kvxfer_client.vllm._metrics import KvxferdStats, KvxferdWorkerMeta
+from kvxfer_client.vllm._metrics import KvxferdPromMetrics, KvxferdStats, KvxferdWorkerMeta
 from kvxfer_client.vllm._scheduler import ConnectorScheduler
 from kvxfer_client.vllm._worker import CacheShape, ConnectorWorker
 
@@ -153,6 +156,11 @@ class KvxferdConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvxferdStats | None:
         return KvxferdStats(dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[Any, Any], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KvxferdPromMetrics:
+        return KvxferdPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None

@@ -4,7 +4,10 @@
 and scheduler may be separate processes; TP ranks' metas are merged with ``aggregate``).
 ``KvxferdStats`` is what vLLM's stat loggers get (the periodic ``KV Transfer metrics:`` log line):
 ``kvxfer_path_down`` (1 while any rank's daemon registration is down), and per interval the
-path's transitions, failed prefill sends and failed decode loads.
+path's transitions, failed prefill sends and failed decode loads. With vLLM's Prometheus
+endpoint (``vllm serve``'s ``/metrics``), ``KvxferdPromMetrics`` exports them as the gauge
+``vllm:kvxferd_transfer_path_down`` and the counters ``vllm:kvxferd_transfer_path_transitions``,
+``vllm:kvxferd_failed_sends`` and ``vllm:kvxferd_failed_loads``.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.v1.metrics.utils import create_metric_per_engine
 
 _COUNTERS = ("kvxfer_path_transitions", "kvxfer_failed_sends", "kvxfer_failed_loads")
 
@@ -57,3 +61,29 @@ class KvxferdStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
+
+
+class KvxferdPromMetrics(KVConnectorPromMetrics):
+    """The stats above as Prometheus series, one child per engine index."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict[Any, Any], labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        down = self._gauge_cls(name="vllm:kvxferd_transfer_path_down", multiprocess_mode="mostrecent",
+                               documentation="1 while a kvxferd registration of this engine is down "
+                                             "(daemon away or registering again)", labelnames=labelnames)
+        self._down = create_metric_per_engine(down, per_engine_labelvalues)
+        self._counters = {}
+        for key, doc in (("kvxfer_path_transitions", "kvxferd transfer path went down or came back up"),
+                         ("kvxfer_failed_sends", "prefill rooms that could not hand all their KV to kvxferd"),
+                         ("kvxfer_failed_loads", "decode loads through kvxferd that failed")):
+            name = "vllm:kvxferd_" + key.removeprefix("kvxfer_")
+            counter = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+            self._counters[key] = create_metric_per_engine(counter, per_engine_labelvalues)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        self._down[engine_idx].set(int(transfer_stats_data.get("kvxfer_path_down", 0)))
+        for key, per_engine in self._counters.items():
+            n = int(transfer_stats_data.get(key, 0))
+            if n:
+                per_engine[engine_idx].inc(n)
