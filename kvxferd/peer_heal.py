@@ -88,12 +88,12 @@ class PairHealth:
         p = h.probe
         if p is None or p[0] < h.last_rx:  # one probe per silence
             h.probe = (now, "running")
-            self._spawn(self._probe(h, now, min(limit / 2, CONTROL_TIMEOUT_S)), f"probe {h.address}")
+            self._spawn(self._probe(h, now, min(limit / 2, CONTROL_TIMEOUT_S)), f"probe of {h.address}")
             p = h.probe
         if not why:
             return ""
-        if p[1] == "running" and quiet < limit * 1.5:
-            return ""  # its answer decides
+        # Only a port that answered keeps it: a probe still running at the limit (a path that drops
+        # packets) leaves the loss where it always was.
         if p[1] == "accepts" and quiet < SLOW_FACTOR * limit:
             if not h.slow_since:
                 h.slow_since = now

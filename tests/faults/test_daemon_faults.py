@@ -110,7 +110,11 @@ def test_kill9_decode_daemon_mid_transfer_then_restart(daemons: Any, fleet: Flee
     lost = {r: e for r, e in fleet.rooms(p.who).items() if e["state"] != "SUCCESS"}
     assert len(lost) >= 2, fleet.rooms(p.who)
     for e in lost.values():
-        # Heartbeats or the next AllocSlot to the dead daemon, whichever comes first.
+        # The control stream's reset, heartbeats or the next AllocSlot to the dead daemon, whichever
+        # comes first; or a WRITE in flight, which NIXL may fail before the stream's reset is read.
+        if e["code"] == "TRANSFER_ERROR":
+            assert e["state"] == "FAILED" and "NIXL_ERR_REMOTE_DISCONNECT" in e["reason"], e
+            continue
         assert e["state"] == "FAILED" and e["code"] == "PEER_LOST", e
         assert "peer decode lost" in e["reason"] or "UNAVAILABLE" in e["reason"], e
     delays = [e["t"] - t_kill for e in lost.values()]
