@@ -100,9 +100,12 @@ class EtcdRegistry:
 
     def __init__(
         self, config: Config, local: Callable[[], DaemonRecord], on_daemon_gone: Callable[[str, str, str], None],
-        metrics: Metrics, on_state: Callable[[bool], None] | None = None,
+        metrics: Metrics, on_state: Callable[[bool], None] | None = None, watch: bool = True,
     ) -> None:
+        """`watch=False`: publish only, keep no fleet cache (a daemon that never resolves a group;
+        bench/fleet_registry.py's record-only clients)."""
         self._cfg = config
+        self._watching = watch
         self._local = local
         self._gone = on_daemon_gone
         self._m = metrics
@@ -268,11 +271,11 @@ class EtcdRegistry:
             self.sessions += 1
             if self._published != self._local().to_json():
                 await self._publish(kv)
-            loops = [
-                asyncio.ensure_future(self._keepalive(lease)),
-                asyncio.ensure_future(self._watch(kv, rpc.WatchStub(channel))),
-                asyncio.ensure_future(self._publisher(kv)),
-            ]
+            loops = [asyncio.ensure_future(self._keepalive(lease)), asyncio.ensure_future(self._publisher(kv))]
+            if self._watching:
+                loops.append(asyncio.ensure_future(self._watch(kv, rpc.WatchStub(channel))))
+            else:
+                self._set_up()
             try:
                 done, _ = await asyncio.wait(loops, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:

@@ -32,6 +32,9 @@ class Etcd:
     peer_port: int
     log: Path
     proc: subprocess.Popen[bytes] | None = None
+    # Raft timing: short for tests (leases of 1-2 s); etcd's defaults (100 / 1000 ms) for benches.
+    heartbeat_ms: int = 50
+    election_ms: int = 500
 
     @property
     def endpoint(self) -> str:
@@ -47,7 +50,7 @@ class Etcd:
             "--initial-cluster", f"kvx={peer}", "--log-level", "warn",
             # Tests use leases of 1-2 s; etcd's default minimum TTL is derived from the election
             # timeout, so keep it short too.
-            "--heartbeat-interval", "50", "--election-timeout", "500",
+            "--heartbeat-interval", str(self.heartbeat_ms), "--election-timeout", str(self.election_ms),
         ]
         with open(self.log, "ab") as fh:
             self.proc = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT)
