@@ -41,7 +41,8 @@ from typing import Any
 from kvxferd.bench._common import Daemon, machine_info, remove_tree, rounded, short_tmpdir, start_daemon, write_json
 from kvxferd.bench.engines_load import Outcome, run_point
 from kvxferd.bench.engines_model import ModelSpec, Request, build_model, request_mix
-from kvxferd.bench.engines_report import cdf_png, plot, print_results, summarize
+from kvxferd.bench.engines_profile import Profiler
+from kvxferd.bench.engines_report import cdf_png, own_processes, plot, print_results, summarize
 from kvxferd.bench.engines_servers import (
     CONNECTORS,
     DEFAULT_CONNECTORS,
@@ -121,6 +122,8 @@ class EnginesBench:
         self.failures: list[str] = []
         self.start_s: dict[str, float] = {}
         self.idle_cpu: dict[str, float] = {}
+        self.profile_dir: Path | None = None
+        self.profiles: dict[str, Any] = {}
 
     @property
     def routes(self) -> list[str]:
@@ -224,6 +227,22 @@ class EnginesBench:
                     self.points.append(self._point(route, conc, r, got, wall, cpu))
                     step("")
 
+    def profile(self, step: Callable[[str], None]) -> None:
+        """One more, untimed pass per PD route at the top concurrency under py-spy (kept out of
+        the timed points: sampling takes CPU from the engines on a small machine)."""
+        if self.profile_dir is None:
+            return
+        conc = max(self.s.concurrency)
+        for route in self.s.connectors:
+            step(f"py-spy: {LABELS[route]}, {conc} in flight")
+            roots = {n.removeprefix("engine_"): pid for n, pid in self._roots().items()
+                     if n in own_processes(route, list(self._roots()))}
+            self.only(route)
+            prof = Profiler(self.profile_dir, f"{route}-c{conc}", roots)
+            got, wall = self._send(route, conc)
+            self.profiles[route] = {"concurrency": conc, "wall_s": round(wall, 3),
+                                    "tokens_match": self._verdict(route, got)["tokens_match"], "by_process": prof.stop()}
+
     def _point(self, route: str, conc: int, rnd: int, got: list[Outcome], wall: float,
                cpu: dict[str, float]) -> dict[str, Any]:
         ok = [o for o in got if not o.error and o.ttft_s is not None and o.e2e_s is not None]
@@ -291,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, help="vLLM KV block size (default 128, the CPU backend's)")
     ap.add_argument("--max-batched-tokens", type=int, help="vLLM's chunked prefill budget per step (default 2048)")
     ap.add_argument("--layers", type=int, help="model layers (default 8; --quick 4)")
+    ap.add_argument("--profile", metavar="DIR", help="after the rounds, py-spy every PD route's engines (and daemons) "
+                    "for one more pass at the top concurrency; collapsed stacks go to DIR, a summary to the JSON")
     ap.add_argument("--keep-logs", action="store_true", help="keep server, daemon and proxy logs (kept anyway on failure)")
     args = ap.parse_args(argv)
     s = build_settings(args)
@@ -300,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     con = Console() if sys.stdout.isatty() else Console(width=160)
     t0 = time.monotonic()
     bench = EnginesBench(s, keep_logs=args.keep_logs)
+    bench.profile_dir = Path(args.profile) if args.profile else None
     con.print(f"[bold]kvxferd bench engines[/] — {s.requests} requests of {s.min_prompt}-{s.max_prompt} tokens, "
               f"{s.new_tokens} new; {', '.join(map(str, s.concurrency))} in flight; {s.rounds} round(s); "
               f"{', '.join(LABELS[c] for c in s.connectors)}{' (quick)' if s.quick else ''}")
@@ -320,9 +342,10 @@ def main(argv: list[str] | None = None) -> int:
             say(msg)
 
     try:
-        for name, fn in (("start_s", bench.start), ("check_s", bench.check), ("rounds_s", bench.run_rounds)):
+        for name, fn in (("start_s", bench.start), ("check_s", bench.check), ("rounds_s", bench.run_rounds),
+                         ("profile_s", bench.profile)):
             ts = time.monotonic()
-            fn(progress if name != "rounds_s" else say)
+            fn(progress if name in ("start_s", "check_s") else say)
             phases[name] = time.monotonic() - ts
     except Exception:
         bench.failures.append(traceback.format_exc())
@@ -362,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         "checks": bench.checks,
         "summary": summary,
         "points": bench.points,
+        "profiles": bench.profiles,
         "requests": [{"index": r.index, "prompt_tokens": len(r.prompt)} for r in bench.requests],
         "failures": [f[-3000:] for f in bench.failures],
     }
