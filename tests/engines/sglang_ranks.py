@@ -194,7 +194,8 @@ def decode_rank(socket: str, port: int, tp: int, rank: int, plans: list[RoomPlan
         os.environ["KVXFER_SGLANG_RING_BYTES"] = str(4 << 20)
         from sglang.srt.disaggregation.base.conn import KVPoll
 
-        from kvxfer_client.sglang._conn import KvxferdKVManager, KvxferdKVReceiver, KvxferdTransferError
+        from kvxfer_client.sglang._conn import KvxferdKVManager, KvxferdTransferError
+        from kvxfer_client.sglang._receiver import KvxferdKVReceiver
 
         pool = Pool(tp, rank)
         mgr = KvxferdKVManager(pool.kv_args(rank), "decode", server_args(port + 1, tp), False)

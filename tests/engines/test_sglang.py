@@ -79,7 +79,8 @@ def test_hook_routes_only_kvxferd_and_enum_gains_member() -> None:
     import enum
 
     import kvxfer_client.sglang as plugin
-    from kvxfer_client.sglang._conn import KvxferdKVManager, KvxferdKVReceiver
+    from kvxfer_client.sglang._conn import KvxferdKVManager
+    from kvxfer_client.sglang._receiver import KvxferdKVReceiver
 
     class Backend(enum.Enum):
         NIXL = "nixl"
@@ -96,3 +97,51 @@ def test_hook_routes_only_kvxferd_and_enum_gains_member() -> None:
     assert not calls
     plugin.get_kv_class_hook(lambda *a: calls.append(a), extended("nixl"), Kind.MANAGER)
     assert len(calls) == 1
+
+
+def test_route_lookup_as_sglangs_decode_queue_does_it() -> None:
+    # sglang's decode KVArgs carry no head counts, so the rank registers only once a prefill route
+    # says the layout; until then nothing here needs a daemon.
+    import json
+    import urllib.error
+    import urllib.request
+
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from kvxfer_client.sglang._bootstrap import KvxferdKVBootstrapServer, PrefillRoute, put_route
+    from kvxfer_client.sglang._conn import KvxferdKVManager
+    from kvxfer_client.sglang._receiver import KvxferdKVReceiver
+
+    port = sr.free_port()
+    boot = KvxferdKVBootstrapServer("127.0.0.1", port)
+    addr = f"127.0.0.1:{port}"
+    try:
+        bad = urllib.request.Request(f"http://{addr}/kvxferd/route", data=b'{"group": 1}', method="PUT")
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(bad, timeout=5)
+        assert err.value.code == 400 and "malformed kvxferd route" in json.loads(err.value.read())["error"]
+
+        args = sr.Pool(1, 0).kv_args(0)
+        del args.kv_head_num, args.total_kv_head_num  # as sglang's DecodePreallocQueue builds them
+        mgr = KvxferdKVManager(args, "decode", sr.server_args(port + 1, 1), False)
+        assert mgr.rx is None and not mgr.try_ensure_parallel_info(addr)  # nothing registered yet (404)
+        recv = KvxferdKVReceiver(mgr, addr, 77)
+        recv.init(0)
+        assert recv.poll() == KVPoll.Failed and recv.conclude_state == KVPoll.Failed
+        with pytest.raises(Exception, match="no kvxferd route"):
+            recv.failure_exception()
+        recv.abort()  # sglang aborts requests whose prefill never answered: no daemon to tell, no error
+        recv.clear()
+
+        page_bytes = sr.PAGE * sr.TOTAL_HEADS * sr.HEAD_DIM * 2
+        route = PrefillRoute("g", "127.0.0.1:1", 2, sr.PAGE * 2, sr.TOTAL_HEADS, sr.HEAD_DIM, 2, False)
+        put_route(addr, route)
+        with pytest.raises(RuntimeError, match="page size mismatch"):
+            mgr.try_ensure_parallel_info(addr)
+        put_route(addr, PrefillRoute("g", "127.0.0.1:1", 2, sr.PAGE, sr.TOTAL_HEADS * 2, sr.HEAD_DIM, 2, False))
+        with pytest.raises(RuntimeError, match=f"would be {2 * page_bytes} B; it is {page_bytes} B"):
+            mgr.try_ensure_parallel_info(addr)
+        assert mgr.rx is None and addr not in mgr.prefill_info_table  # nothing half-done
+        mgr.close()
+    finally:
+        boot.close()

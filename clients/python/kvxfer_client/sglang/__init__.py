@@ -25,7 +25,8 @@ __all__ = ["BACKEND", "register"]
 def classes() -> dict[str, type]:
     """The backend's classes by sglang's KVClassType value."""
     from kvxfer_client.sglang._bootstrap import KvxferdKVBootstrapServer
-    from kvxfer_client.sglang._conn import KvxferdKVManager, KvxferdKVReceiver, KvxferdKVSender
+    from kvxfer_client.sglang._conn import KvxferdKVManager, KvxferdKVSender
+    from kvxfer_client.sglang._receiver import KvxferdKVReceiver
 
     return {"manager": KvxferdKVManager, "sender": KvxferdKVSender, "receiver": KvxferdKVReceiver,
             "bootstrap_server": KvxferdKVBootstrapServer}
