@@ -68,7 +68,13 @@ async def run(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     before = rss_mb()
     t0 = time.monotonic()
     for i in range(a.peers):
-        await managers[f"spoke{i:04d}"].connect(hub[0].peer_address)
+        for attempt in range(3):  # a handshake can time out on a loaded 2-core box; the link is what counts
+            try:
+                await managers[f"spoke{i:04d}"].connect(hub[0].peer_address)
+                break
+            except Exception:
+                if attempt == 2:
+                    raise
     link_s = time.monotonic() - t0
     hub_pm = managers["hub"]
 

@@ -163,7 +163,7 @@ class Config:
     insecure_peers: bool = False
     # Peer-side caps: refused with RESOURCE_EXHAUSTED, shown in status and kvxferd_cap_* metrics.
     # 2,048: every daemon of a 1,000-node prefill/decode mesh, twice (ids that left linger until
-    # peer_forget_s); an idle peer costs ~0.1 MiB (docs/registry.md), so ~200 MiB at the cap.
+    # peer_forget_s); an idle peer costs ~55 KiB (docs/registry.md), so ~110 MiB at the cap.
     max_peers: int = 2048
     # A peer down this long, not in `peers`, is forgotten (its entries go and it is no longer
     # dialed): daemons come and go (a pod's new name is a new daemon id), and the table must not
