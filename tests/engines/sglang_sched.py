@@ -1,7 +1,7 @@
 """sglang's own PD scheduler code around the kvxferd backend, for tests/engines/test_sglang_sched.py.
 
-Each rank is a process of its own with a minimal scheduler host (:class:`PrefillHost`,
-:class:`DecodeHost`) built on sglang's ``SchedulerDisaggregationPrefillMixin`` /
+Each rank is a process of its own with a minimal scheduler host (:class:`_Host` and, per role,
+:func:`_host`) built on sglang's ``SchedulerDisaggregationPrefillMixin`` /
 ``SchedulerDisaggregationDecodeMixin``; the queues are sglang's own (``PrefillBootstrapQueue``,
 ``DecodePreallocQueue``, ``DecodeTransferQueue``), as are the KV pool (``MHATokenToKVPool`` on
 CPU), the req-to-token pool, the paged allocator, the tree cache (``RadixCache``, disabled as with
@@ -80,7 +80,7 @@ class _Group:
 class _Host:
     """What sglang's Scheduler holds that the disaggregation mixins and queues read."""
 
-    def __init__(self, role: str, tp: int, rank: int, port: int) -> None:
+    def __init__(self, tp: int, rank: int) -> None:
         from sglang.srt.disaggregation.utils import MetadataBuffers, ReqToMetadataIdxAllocator, TransferBackend
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -179,22 +179,15 @@ def _forward(host: _Host, req: Any, plan: Plan, start: int, end: int) -> None:
         host.kv_pool.v_buffer[layer][idx] = _values(plan.room, range(start, end), host.heads, layer, 1)
 
 
-class PrefillHost(_Host):
-    pass
-
-
-class DecodeHost(_Host):
-    pass
-
-
-def _mixins() -> None:
-    # The mixins come in at run time: importing sglang's scheduler modules takes a minute on a
-    # loaded 2-core box, and only the rank processes (forked after the import) need them.
+def _host(role: str, tp: int, rank: int) -> Any:
+    """A scheduler host of sglang's prefill or decode mixin. The mixins are imported here, not at
+    module import: sglang's scheduler modules take a minute to import on a loaded 2-core box and
+    only the helper process (and the ranks forked from it) loads them."""
     from sglang.srt.disaggregation.decode import SchedulerDisaggregationDecodeMixin
     from sglang.srt.disaggregation.prefill import SchedulerDisaggregationPrefillMixin
 
-    PrefillHost.__bases__ = (_Host, SchedulerDisaggregationPrefillMixin)
-    DecodeHost.__bases__ = (_Host, SchedulerDisaggregationDecodeMixin)
+    mixin = SchedulerDisaggregationPrefillMixin if role == "prefill" else SchedulerDisaggregationDecodeMixin
+    return type(f"{role.title()}Host", (_Host, mixin), {})(tp, rank)
 
 
 def _outcome(req: Any) -> str:
@@ -212,9 +205,7 @@ def prefill_rank(tp: int, rank: int, port: int, dist_port: int, plans: list[Plan
     from sglang.srt.disaggregation.utils import DisaggregationMode, prepare_abort
 
     _publish("prefill", tp, rank, port, dist_port)
-    _mixins()
-    host = PrefillHost("prefill", tp, rank, port)
-    h: Any = host
+    host = h = _host("prefill", tp, rank)
     h.disagg_prefill_inflight_queue = []
     h.disagg_prefill_pending_chunk_rids = set()
     h.chunked_req = None
@@ -261,7 +252,7 @@ def prefill_rank(tp: int, rank: int, port: int, dist_port: int, plans: list[Plan
             results[req.bootstrap_room] = _outcome(req)
         for req in host.output_streamer.streamed:  # bootstrap failures
             results.setdefault(req.bootstrap_room, _outcome(req))
-        time.sleep(0.002)
+        time.sleep(0.01)  # one scheduler step; a loaded 2-core box is shared
     mgr = h.disagg_prefill_bootstrap_queue.kv_manager
     mgr.close()
     return {"rooms": results, "free_meta": host.req_to_metadata_buffer_idx_allocator.available_size()}
@@ -275,9 +266,7 @@ def decode_rank(tp: int, rank: int, port: int, dist_port: int, plans: list[Plan]
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
     _publish("decode", tp, rank, port + 1, dist_port)
-    _mixins()
-    host = DecodeHost("decode", tp, rank, port)
-    h: Any = host
+    host = h = _host("decode", tp, rank)
     h.running_batch = types.SimpleNamespace(reqs=[])
     h.disagg_decode_transfer_queue = DecodeTransferQueue(host.req_to_metadata_buffer_idx_allocator,
                                                          host.disagg_metadata_buffers, host, host.tree_cache)
@@ -301,7 +290,7 @@ def decode_rank(tp: int, rank: int, port: int, dist_port: int, plans: list[Plan]
         host.waiting_queue.clear()
         for req in host.output_streamer.streamed:
             results.setdefault(req.bootstrap_room, _outcome(req))
-        time.sleep(0.002)
+        time.sleep(0.01)  # one scheduler step; a loaded 2-core box is shared
     h.disagg_decode_prealloc_queue.kv_manager.close()
     return {"rooms": results, "checked_bytes": checked,
             "free_meta": host.req_to_metadata_buffer_idx_allocator.available_size()}
