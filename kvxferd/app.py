@@ -459,8 +459,8 @@ async def serve(
 
 async def _sweep(node: Node) -> None:
     """Lease expiry: a crashed engine stops renewing; its rooms fail and its ring is released. A
-    sweep PAUSE_S later than due means this daemon did not run (SIGSTOP, a stalled loop): engines
-    get a fresh lease instead of being expired by the clock that ran on meanwhile."""
+    sweep PAUSE_S later than due means this daemon did not run (SIGSTOP, a stalled loop): the time
+    away is not counted against engine leases (EngineTable.fresh_leases)."""
     last = time.monotonic()
     while True:
         await asyncio.sleep(SWEEP_S)

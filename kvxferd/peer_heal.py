@@ -11,7 +11,7 @@ and transport errors.
 - **Pauses of this daemon.** After SIGSTOP, or a stalled event loop, the monotonic clock has run on
   while nothing could be heard: a daemon resumed after 20 s declared healthy peers dead by that
   clock. A liveness pass that runs PAUSE_S later than due gives every peer a fresh window
-  (kvxferd.app's lease sweep does the same for engines).
+  (kvxferd.app's lease sweep does not count the time away against engine leases).
 - **Transport errors.** In the field one NIXL_ERR_REMOTE_DISCONNECT left the pair failing every
   later WRITE until a daemon restarted, with the peer shown up. Now a transport error marks the pair
   broken (GetStatus and kvxferd_peers show it down) and rebuilds the peer's NIXL connection: a fresh
@@ -110,7 +110,7 @@ class PairHealth:
         except ConnectionRefusedError:
             result = "refuses connections"
         except (OSError, ValueError, asyncio.TimeoutError) as exc:
-            result = f"is out of reach: {exc or type(exc).__name__}"
+            result = f"is out of reach: {str(exc) or type(exc).__name__}"
         else:
             writer.close()
             result = "accepts"
