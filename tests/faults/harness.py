@@ -164,7 +164,7 @@ def inject_transfer_errors(d: DaemonProc, n: int) -> None:
 
 def fault_command(d: DaemonProc, command: str) -> None:
     """Test-only hook (fault_injection=true), one command of kvxferd.faults.fault_control: `N` fails the
-    next N NIXL posts; `delay S` holds the next WRITE; `stall S` blocks the daemon's event loop (its peers lose it,
+    next N NIXL posts; `break S` breaks the pair's NIXL connection (rebuilds fail for S s); `delay S` holds the next WRITE; `stall S` blocks the daemon's event loop (its peers lose it,
     its workers go on posting); `register BYTES` / `release` change the daemon's NIXL metadata as importing
     or releasing a GPU ring does."""
     ctl = Path(d.socket + ".faults")
