@@ -46,10 +46,11 @@ class Plan:
     chunk_tokens: int  # prefill forward chunk (sglang's --chunked-prefill-size); >= tokens: one chunk
     abort_after: int = -1  # the prefill scheduler aborts the request after this many chunks
     repeat_chunk: int = -1  # this chunk goes out with the previous chunk's id (an engine bug)
+    orphan: bool = False  # decode only: no prefill instance answers at the request's bootstrap address
 
     @property
     def fails(self) -> bool:
-        return self.abort_after >= 0 or self.repeat_chunk >= 0
+        return self.abort_after >= 0 or self.repeat_chunk >= 0 or self.orphan
 
 
 def first_token(room: int) -> int:
@@ -212,6 +213,7 @@ def prefill_rank(tp: int, rank: int, port: int, dist_port: int, plans: list[Plan
     h.disagg_prefill_bootstrap_queue = PrefillBootstrapQueue(
         host.kv_pool, None, host.req_to_metadata_buffer_idx_allocator, host.disagg_metadata_buffers, 0, port,
         POOL_TOKENS, host, None, host.transfer_backend)
+    plans = [p for p in plans if not p.orphan]
     by_room = {p.room: p for p in plans}
     reqs = [_req(p, port, DisaggregationMode.PREFILL) for p in plans]
     for req in reqs:
@@ -275,8 +277,9 @@ def decode_rank(tp: int, rank: int, port: int, dist_port: int, plans: list[Plan]
         host.disagg_metadata_buffers, host, h.disagg_decode_transfer_queue, host.tree_cache, 0, port, POOL_TOKENS,
         2 * PAGE, host.transfer_backend)
     by_room = {p.room: p for p in plans}
+    dead = free_port()  # nothing listens there
     for p in plans:
-        h.disagg_decode_prealloc_queue.add(_req(p, port, DisaggregationMode.DECODE))
+        h.disagg_decode_prealloc_queue.add(_req(p, dead if p.orphan else port, DisaggregationMode.DECODE))
     results: dict[int, str] = {}
     checked = 0
     deadline = time.monotonic() + 120
