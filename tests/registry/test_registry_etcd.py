@@ -62,7 +62,9 @@ async def until(cond: Any, timeout: float = 10.0, what: str = "") -> float:
 
 
 async def test_register_watch_resolve_and_lease_expiry(etcd: Etcd) -> None:
-    a, b = Daemon(etcd.endpoint, "a"), Daemon(etcd.endpoint, "b")
+    # A 3 s call timeout (the default), not 0.5 s: on a loaded box a keep-alive answered late would
+    # end a's session, and a delete seen while recovering from that is held, not reported at once.
+    a, b = Daemon(etcd.endpoint, "a", registry_timeout_s=3.0), Daemon(etcd.endpoint, "b", registry_timeout_s=3.0)
     await a.reg.start()
     await b.reg.start()
     try:
@@ -95,7 +97,7 @@ async def test_register_watch_resolve_and_lease_expiry(etcd: Etcd) -> None:
         await until(lambda: a.reg.cache.get("b") is None, timeout=5, what="b's record expires")
         took = time.monotonic() - t_dead
         assert took < 1 + 1.5, f"record outlived its 1 s lease by {took:.1f} s"
-        assert a.gone == [("b", "b-i1", "its registry record was deleted (lease expired or revoked)")]
+        assert a.gone == [("b", "b-i1", "its registry record was deleted (lease expired or revoked)")], a.reg.status()
     finally:
         await a.reg.stop()
         await b.reg.stop()
@@ -186,7 +188,7 @@ async def test_required_registry_refuses_to_start_without_etcd() -> None:
 
 async def test_blips_keep_leases_resume_the_watch_and_reset_the_backoff(etcd: Etcd) -> None:
     # Leases longer than the back-off can grow over a blip (up to 1.5 x 5 s), as by default (10 s).
-    a, b = Daemon(etcd.endpoint, "a", ttl=10), Daemon(etcd.endpoint, "b", ttl=10)
+    a, b = Daemon(etcd.endpoint, "a", ttl=10, registry_timeout_s=3.0), Daemon(etcd.endpoint, "b", ttl=10, registry_timeout_s=3.0)
     await a.reg.start()
     await b.reg.start()
     try:
@@ -222,7 +224,8 @@ async def test_blips_keep_leases_resume_the_watch_and_reset_the_backoff(etcd: Et
 async def test_a_partitioned_client_replays_what_it_missed_or_rereads_after_compaction(etcd: Etcd) -> None:
     gate = Gate(etcd)
     await gate.start()
-    a, b = Daemon(gate.endpoint, "a", ttl=3), Daemon(etcd.endpoint, "b", ttl=3)
+    # Exact session counts below: a 3 s call timeout, so a loaded box does not end sessions by itself.
+    a, b = Daemon(gate.endpoint, "a", ttl=3, registry_timeout_s=3.0), Daemon(etcd.endpoint, "b", ttl=3, registry_timeout_s=3.0)
     c = Daemon(etcd.endpoint, "c", ttl=3)
     await a.reg.start()
     await b.reg.start()
@@ -267,7 +270,7 @@ async def test_a_lapsed_lease_racing_its_reregistration_is_not_gone_but_a_restar
     reported at once, and a record deleted for good is reported once the recovery window ends."""
     gate = Gate(etcd)
     await gate.start()
-    a, b = Daemon(gate.endpoint, "a", ttl=1), Daemon(etcd.endpoint, "b", ttl=1)
+    a, b = Daemon(gate.endpoint, "a", ttl=1, registry_timeout_s=3.0), Daemon(etcd.endpoint, "b", ttl=1, registry_timeout_s=3.0)
     await a.reg.start()
     await b.reg.start()
     a2: Daemon | None = None
@@ -296,7 +299,8 @@ async def test_a_lapsed_lease_racing_its_reregistration_is_not_gone_but_a_restar
         # a2 dies without revoking: its record goes a TTL later and is reported by the window's end.
         assert a2.reg._task is not None
         a2.reg._task.cancel()
-        await until(lambda: len(b.gone) == 2, timeout=15, what="a2 reported gone")
+        # b's window: TTL 1 s + 1.5 x 5 s + 2 x 3 s from its reconnect.
+        await until(lambda: len(b.gone) == 2, timeout=25, what="a2 reported gone")
         assert b.gone[1] == ("a", "a-i2", "its registry record was deleted (lease expired or revoked)")
     finally:
         for d in (a, b, *([a2] if a2 else [])):
