@@ -163,7 +163,8 @@ class KvxferdKVManager(BaseKVManager):
         try:
             route = fetch_route(bootstrap_addr, ROUTE_TIMEOUT_S)
         except (OSError, ValueError) as exc:
-            logger.warning("no kvxferd route from the prefill bootstrap server %s yet: %s", bootstrap_addr, exc)
+            # sglang retries each second and logs its own error when it gives up (15 tries).
+            logger.info("no kvxferd route from the prefill bootstrap server %s yet: %s", bootstrap_addr, exc)
             return False
         if route.page_size != self.page_size:
             raise RuntimeError(f"page size mismatch: the prefill at {bootstrap_addr} has page_size={route.page_size}, "
