@@ -347,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
             ts = time.monotonic()
             fn(progress if name in ("start_s", "check_s") else say)
             phases[name] = time.monotonic() - ts
-    except Exception:
+    except (Exception, KeyboardInterrupt):
+        # An interrupted run still writes what it measured (the summary says it is not complete).
         bench.failures.append(traceback.format_exc())
         con.print_exception()
     finally:
