@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvxfer_client import KvxferError, Layout, PrefillSender
 from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from kvxferd.config import Config
 from tests.conftest import ROOT
 
 LAYOUT = Layout(num_layers=2, total_kv_heads=2, head_dim=16, dtype_bytes=2, page_size=16)
@@ -90,9 +91,12 @@ async def test_status_cli_against_daemon(inproc: Any) -> None:
     data = json.loads(proc[1])
     assert data["daemon_id"] == d.daemon_id and data["serving"] is True
     assert data["peer_auth"] == "none-loopback"
+    # The caps are the config's defaults (a 1,000-node mesh fits max_peers), not other numbers.
+    cfg = Config()
     assert {c["name"]: int(c["limit"]) for c in data["peer_caps"]} == {
-        "peers": 256, "peer_addresses": 512, "pending_handshakes": 16, "peer_metadata_bytes": 1 << 20,
-        "peer_batch_msgs": 4096}
+        "peers": cfg.max_peers, "peer_addresses": 2 * cfg.max_peers, "pending_handshakes": cfg.max_pending_handshakes,
+        "peer_metadata_bytes": cfg.max_peer_metadata_bytes, "peer_batch_msgs": cfg.max_peer_batch_msgs}
+    assert cfg.max_peers >= 2000
     proc = await _run_cli("status", "--socket", d.socket)
     assert proc[0] == 0 and "rooms by state" in proc[1] and "peer caps" in proc[1] and "none-loopback" in proc[1]
 
