@@ -44,16 +44,17 @@ class SendPath:
     def save(self, plan: StepPlan) -> None:
         """Gathers this step's chunks into ring slots and enqueues them; the step's KV is written.
         Never waits on a daemon that is away: the registration says so at once (Detached)."""
+        for room in plan.aborts:
+            self._epochs.pop(room, None)
+            self._dead.pop(room, None)
         try:
             tx, epoch = self.link.get()
         except KvxferError as exc:
             for c in plan.sends:
                 self._fail(c.req_id, c.room, str(exc), None)
             self._ended(plan)
-            return
+            return  # the aborted rooms end with their daemon's deadline (or are gone with it)
         for room in plan.aborts:
-            self._epochs.pop(room, None)
-            self._dead.pop(room, None)
             quiet(tx.abort, room, "request ended before its prompt was computed")
         for c in plan.sends:
             if c.room in self._dead:
