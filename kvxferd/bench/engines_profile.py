@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 import signal
 import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,9 @@ class Profiler:
     def __init__(self, out_dir: Path, tag: str, roots: dict[str, int], rate: int = 67) -> None:
         self.files: dict[str, Path] = {}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        exe = shutil.which("py-spy")
+        # The venv's bin (where pip puts py-spy) is often not on PATH when the bench runs as `python -m`.
+        beside = Path(sys.executable).with_name("py-spy")
+        exe = str(beside) if beside.exists() else shutil.which("py-spy")
         self.missing = exe is None
         if exe is None:
             return
