@@ -66,7 +66,7 @@ REPO = Path(__file__).resolve().parents[2]
 @dataclass(frozen=True)
 class Settings:
     quick: bool = False
-    requests: int = 32
+    requests: int = 24
     min_prompt: int = 64
     max_prompt: int = 3000
     new_tokens: int = 4
@@ -78,6 +78,7 @@ class Settings:
     kv_cache_bytes: int = 512 << 20
     daemon_pool_bytes: int = 384 << 20
     seed: int = 0
+    freeze_idle_nixl: bool = True
     engine_start_s: float = 900.0
     request_timeout_s: float = 600.0
     model: ModelSpec = field(default_factory=ModelSpec)
@@ -173,7 +174,7 @@ class EnginesBench:
         NIXL engine polls a core, which would be taken from the route measured. kvxferd engines keep
         a lease with their daemon and the reference idles quietly: they stay up."""
         for conn in self.s.connectors:
-            if conn in FROZEN_WHEN_IDLE:
+            if conn in FROZEN_WHEN_IDLE and self.s.freeze_idle_nixl:
                 for role in ("prefill", "decode"):
                     self.servers[f"{conn}-{role}"].freeze(conn != route)
 
@@ -283,6 +284,8 @@ def build_settings(args: argparse.Namespace) -> Settings:
         over["concurrency"] = tuple(int(x) for x in args.concurrency.split(","))
     if args.connectors:
         over["connectors"] = tuple(x.strip() for x in args.connectors.split(","))
+    if args.no_freeze:
+        over["freeze_idle_nixl"] = False
     if args.layers:
         over["model"] = replace(s.model, layers=args.layers)
     s = replace(s, **over)
@@ -300,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write every figure, the settings, the machine, commit and command here")
     ap.add_argument("--plot", help="TTFT / requests/s / CPU plot (PNG); the TTFT CDF goes next to it as NAME-cdf.png")
     ap.add_argument("--quick", action="store_true", help="few short requests, 1 and 4 in flight, one round (CI)")
-    ap.add_argument("--requests", type=int, help="requests per point (default 32; --quick 4)")
+    ap.add_argument("--requests", type=int, help="requests per point (default 24; --quick 4)")
     ap.add_argument("--rounds", type=int, help="rounds over every route and concurrency (default 2; --quick 1)")
     ap.add_argument("--concurrency", help="requests in flight, comma-separated (default 1,4,16)")
     ap.add_argument("--connectors", help=f"PD routes, comma-separated, of {','.join(CONNECTORS)} (default {','.join(DEFAULT_CONNECTORS)})")
@@ -312,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, help="model layers (default 8; --quick 4)")
     ap.add_argument("--profile", metavar="DIR", help="after the rounds, py-spy every PD route's engines (and daemons) "
                     "for one more pass at the top concurrency; collapsed stacks go to DIR, a summary to the JSON")
+    ap.add_argument("--no-freeze", action="store_true",
+                    help="leave idle NIXL servers running while other routes are measured (their polling then "
+                         "competes with the route measured)")
     ap.add_argument("--keep-logs", action="store_true", help="keep server, daemon and proxy logs (kept anyway on failure)")
     args = ap.parse_args(argv)
     s = build_settings(args)
