@@ -25,9 +25,10 @@ from typing import Any
 
 # What a route is called in tables and files, and what it runs.
 CONNECTORS = ("kvxferd", "nixl", "nixl_push")
-# NixlPushConnector is not run by default: with vLLM 0.32's CPU build here the decode engine sends
-# its block registration, the prefill engine never writes, and each request waits out
-# push_registration_timeout (480 s). `--connectors kvxferd,nixl,nixl_push` runs it anyway.
+# NixlPushConnector is not run by default: with vLLM 0.32's CPU build here the decode engine
+# handshakes with the prefill engine and registers its blocks, the prefill engine never writes, and
+# each request waits out push_registration_timeout (480 s), with or without --no-freeze.
+# `--connectors kvxferd,nixl,nixl_push` runs it anyway.
 DEFAULT_CONNECTORS = ("kvxferd", "nixl")
 REFERENCE = "reference"
 LABELS = {
