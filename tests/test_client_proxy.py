@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvxfer_client.proxy import PREFILL_MS_HEADER, Servers, serve
+from kvxfer_client.proxy import PREFILL_MS_HEADER, Servers, prefill_body, serve
 
 
 @dataclass
@@ -142,3 +142,10 @@ async def test_health_names_a_server_that_is_down() -> None:
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+def test_prefill_leg_asks_for_one_token_without_streaming() -> None:
+    body = {"prompt": [5, 6], "max_tokens": 4, "stream": True, "stream_options": {"x": 1}, "min_tokens": 2}
+    got = prefill_body(body, {"do_remote_decode": True})
+    assert got == {"prompt": [5, 6], "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+    assert body["max_tokens"] == 4  # the decode leg's request is left as the client sent it

@@ -57,7 +57,7 @@ from kvxferd.bench.engines_servers import (
 )
 
 # Routes whose idle engines poll a core (NIXL's progress thread): frozen while others are measured.
-FROZEN_WHEN_IDLE = ("nixl", "nixl_push")
+FROZEN_WHEN_IDLE = ("nixl", "nixl_1t", "nixl_push")
 IDLE_S = 5.0
 
 REPO = Path(__file__).resolve().parents[2]

@@ -22,14 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-PREFILL_MS_HEADER = "x-kvx-prefill-ms"
-
-
-def prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
-    """The prefill leg: one token, whole response at once, the connector's do_remote_decode params."""
-    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "min_tokens")}
-    out.update(max_tokens=1, stream=False, kv_transfer_params=dict(params))
-    return out
+from kvxfer_client.proxy import PREFILL_MS_HEADER, prefill_body
 
 
 async def serve(routes: dict[str, dict[str, Any]], ready_file: Path) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 # What a route is called in tables and files, and what it runs.
-CONNECTORS = ("kvxferd", "nixl", "nixl_push")
+CONNECTORS = ("kvxferd", "nixl", "nixl_1t", "nixl_push")
 # NixlPushConnector is not run by default: with vLLM 0.32's CPU build here the decode engine
 # handshakes with the prefill engine and registers its blocks, the prefill engine never writes, and
 # each request waits out push_registration_timeout (480 s), with or without --no-freeze.
@@ -34,11 +34,16 @@ REFERENCE = "reference"
 LABELS = {
     "kvxferd": "KvxferdConnector",
     "nixl": "NixlConnector (pull)",
+    "nixl_1t": "NixlConnector (pull, 1 UCX thread)",
     "nixl_push": "NixlPushConnector",
     REFERENCE: "one engine (reference)",
 }
 # vLLM's connector names for the NIXL routes.
-_NIXL_CLASS = {"nixl": "NixlConnector", "nixl_push": "NixlPushConnector"}
+_NIXL_CLASS = {"nixl": "NixlConnector", "nixl_1t": "NixlConnector", "nixl_push": "NixlPushConnector"}
+# NixlConnector tuned for a small node: vLLM gives its NIXL agent 4 UCX threads by default
+# (num_threads), which on 2 cores compete with the engine's own compute; "nixl_1t" gives it one,
+# as kvxferd's daemon sizes its transfer threads to the cores.
+_NIXL_EXTRA = {"nixl_1t": {"num_threads": 1}}
 
 # Environment of every server. The engine core's executor stays in the engine core process
 # (VLLM_ENABLE_V1_MULTIPROCESSING=0): the multiprocess executor adds a worker process whose
@@ -88,7 +93,7 @@ def transfer_config(connector: str, role: str, daemon_socket: str) -> tuple[dict
         # UCX backend. Each engine answers NIXL handshakes on its own side-channel port.
         return {
             "kv_connector": _NIXL_CLASS[connector], "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-            "kv_buffer_device": "cpu", "kv_connector_extra_config": {"backends": ["UCX"]},
+            "kv_buffer_device": "cpu", "kv_connector_extra_config": {"backends": ["UCX"], **_NIXL_EXTRA.get(connector, {})},
         }, {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
     raise ValueError(f"unknown connector {connector!r}")
 

@@ -7,10 +7,11 @@ Each ``POST /v1/completions`` or ``/v1/chat/completions`` goes to a prefill serv
 decode server with the ``kv_transfer_params`` the prefill response carried, and the decode
 server's response (streamed or not, as the client asked) goes back to the client unchanged.
 
-A prefill response without ``kv_transfer_params`` means the prefill engine could not hand its KV
-to its daemon (the connector never names a room whose chunks did not all reach the daemon): the
-decode server then gets the request without them and computes the prompt itself, so the client
-still gets its answer. ``--prefill``/``--decode`` repeat for several servers, taken in turn.
+The params go through as they came: when the prefill engine could not hand its whole KV to its
+daemon, KvxferdConnector marks them ``kvxfer_prefill_failed`` and the decode engine applies its
+load-failure policy at once (fails the request, or computes the prompt itself). A prefill response
+with no params at all sends the request to decode as it was, which computes the prompt.
+``--prefill``/``--decode`` repeat for several servers, taken in turn.
 ``GET /health`` is 200 while every server answers its own ``/health``; ``GET /v1/models`` is the
 first decode server's. Needs aiohttp (a vLLM dependency), not vLLM.
 """
