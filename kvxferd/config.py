@@ -133,6 +133,10 @@ class Config:
     nixl_progress_thread: bool = False
     heartbeat_interval_s: float = 1.0
     heartbeat_misses: int = 2
+    # A silent peer whose port still accepts connections (a stopped or stalled daemon, not a dead
+    # one) is lost only after this much silence (never less than twice the heartbeat limit): rooms
+    # with it wait meanwhile and fail at their own deadlines, so a 20 s stall loses nothing.
+    slow_peer_limit_s: float = 60.0
     engine_lease_s: float = 10.0
     room_deadline_s: float = 120.0
     drain_grace_s: float = 20.0
@@ -228,6 +232,8 @@ class Config:
                 raise ConfigError(f"{key} must be > 0 and <= {hi}, got {getattr(self, key)}")
         if not 0 <= self.drain_grace_s <= 3600:
             raise ConfigError(f"drain_grace_s must be 0..3600, got {self.drain_grace_s}")
+        if not 0 <= self.slow_peer_limit_s <= 3600:
+            raise ConfigError(f"slow_peer_limit_s must be 0..3600, got {self.slow_peer_limit_s}")
         if not 1 <= self.heartbeat_misses <= 100:
             raise ConfigError(f"heartbeat_misses must be 1..100, got {self.heartbeat_misses}")
         if self.max_message_bytes < 64 << 10:

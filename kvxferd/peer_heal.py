@@ -4,8 +4,9 @@ and transport errors.
 - **Slow or dead.** A control stream silent for the heartbeat limit used to be lost at once: a
   loaded daemon stalled 2.2 s failed 19 rooms in the field. While the stream is silent, the peer's
   port is probed with a TCP connect. A peer whose host still accepts it (its process holds the
-  listening socket, and the path works: a SIGSTOPped or stalled daemon) is slow, not dead, and gets
-  SLOW_FACTOR times the limit before it is lost. A refused connect (the process is gone) or one
+  listening socket, and the path works: a SIGSTOPped or stalled daemon) is slow, not dead, and is
+  lost only after `slow_peer_limit_s` of silence (at least SLOW_FACTOR times the limit): its rooms
+  fail at their own deadlines meanwhile, so a stall that passes costs no room that could wait. A refused connect (the process is gone) or one
   that fails or times out (a cut path) leaves the loss at the limit, as before. A dead process
   usually breaks the stream first anyway.
 - **Pauses of this daemon.** After SIGSTOP, or a stalled event loop, the monotonic clock has run on
@@ -38,7 +39,7 @@ from kvxferd.workers import WorkerPool
 
 logger = logging.getLogger(__name__)
 
-# A silent peer whose port still accepts connections is lost after this many heartbeat limits.
+# A silent peer whose port still accepts connections is lost after at least this many heartbeat limits.
 SLOW_FACTOR = 2
 # A liveness pass this much later than due: this daemon did not run meanwhile.
 PAUSE_S = 1.0
@@ -58,6 +59,7 @@ class PairHealth:
         self._refresh = refresh
         self._handshake = handshake
         self._limit = config.heartbeat_misses * config.heartbeat_interval_s
+        self._slow_limit = config.slow_peer_limit_s
         self._tick = config.heartbeat_interval_s / 4
         self._last_pass = 0.0  # the first pass starts the count
 
@@ -94,11 +96,12 @@ class PairHealth:
             return ""
         # Only a port that answered keeps it: a probe still running at the limit (a path that drops
         # packets) leaves the loss where it always was.
-        if p[1] == "accepts" and quiet < SLOW_FACTOR * limit:
+        slow_limit = max(SLOW_FACTOR * limit, self._slow_limit)
+        if p[1] == "accepts" and quiet < slow_limit:
             if not h.slow_since:
                 h.slow_since = now
                 logger.warning("peer %s (%s): no word for %.1f s, but its port accepts connections: slow, not lost "
-                               "(lost after %.0f s of silence)", h.daemon_id, h.address, quiet, SLOW_FACTOR * limit)
+                               "(lost after %.0f s of silence)", h.daemon_id, h.address, quiet, slow_limit)
             return ""
         if p[1] == "accepts":
             return f"{why} (its port accepts connections, but the daemon does not speak)"

@@ -1,5 +1,5 @@
 """Slow or dead, and this daemon's own pauses (kvxferd.peer_heal), against real sockets: a silent peer
-whose port accepts a TCP connect is slow and lost only after twice the heartbeat limit; one whose
+whose port accepts a TCP connect is slow and lost only after slow_peer_limit_s; one whose
 port refuses is lost at the limit, saying so; after a pause every link counts as heard just now.
 The daemon-level cases (SIGSTOP of real daemons, transport errors) are in tests/faults/test_pair_heal.py.
 """
@@ -16,23 +16,25 @@ from kvxferd.metrics import Metrics
 from kvxferd.peer_heal import SLOW_FACTOR, PairHealth
 from kvxferd.peer_link import PeerLink, Session
 
-CONFIG = Config(heartbeat_interval_s=1.0, heartbeat_misses=2)
+CONFIG = Config(heartbeat_interval_s=1.0, heartbeat_misses=2, slow_peer_limit_s=0.0)
 LIMIT = 2.0
 
 
 TASKS: set[asyncio.Future[Any]] = set()
 
 
+def health_spawn(coro: Any, what: str) -> None:
+    task = asyncio.ensure_future(coro)
+    TASKS.add(task)
+    task.add_done_callback(TASKS.discard)
+
+
+async def no_handshake(h: PeerLink) -> None:
+    raise AssertionError("no handshake here")
+
+
 def health() -> PairHealth:
-    def spawn(coro: Any, what: str) -> None:
-        task = asyncio.ensure_future(coro)
-        TASKS.add(task)
-        task.add_done_callback(TASKS.discard)
-
-    async def handshake(h: PeerLink) -> None:
-        raise AssertionError("no handshake here")
-
-    return PairHealth(CONFIG, None, None, Metrics(), spawn, lambda: None, handshake)  # type: ignore[arg-type]
+    return PairHealth(CONFIG, None, None, Metrics(), health_spawn, lambda: None, no_handshake)  # type: ignore[arg-type]
 
 
 async def silent_link(address: str) -> PeerLink:
@@ -69,12 +71,33 @@ async def test_a_silent_peer_whose_port_accepts_is_slow_not_lost() -> None:
         now = h.last_rx + LIMIT + 0.5
         assert ph.judge(h, now, "no word for 2.5 s") == ""
         assert h.slow_since == now
-        late = h.last_rx + SLOW_FACTOR * LIMIT
+        late = h.last_rx + SLOW_FACTOR * LIMIT  # slow_peer_limit_s=0: twice the limit, the floor
         why = ph.judge(h, late, "no word for 4.0 s")
         assert why.startswith("no word for 4.0 s") and "accepts connections, but the daemon does not speak" in why
         # It speaks again: the next silence is probed afresh.
         h.last_rx = time.monotonic()
         assert ph.judge(h, h.last_rx + 0.1, "") == "" and h.slow_since == 0.0
+    finally:
+        server.close()
+        await h.close()
+
+
+async def test_by_default_a_stalled_peer_is_kept_past_a_20s_stall() -> None:
+    """The default slow_peer_limit_s keeps a peer whose port accepts through a 20 s stall (its rooms
+    fail at their own deadlines), and loses it once that much silence has passed."""
+    server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    cfg = Config(heartbeat_interval_s=1.0, heartbeat_misses=2)
+    ph = PairHealth(cfg, None, None, Metrics(), health_spawn, lambda: None, no_handshake)  # type: ignore[arg-type]
+    h = PeerLink(f"127.0.0.1:{port}", cfg, Metrics())
+    h.daemon_id, h.up = "p", True
+    h.session = Session(lambda batch: asyncio.sleep(0), lambda: None)
+    h.session.hear()
+    try:
+        assert await probed(ph, h, LIMIT / 2 + 0.1) == "accepts"
+        assert ph.judge(h, h.last_rx + 20.5, "no word for 20.5 s") == ""
+        why = ph.judge(h, h.last_rx + cfg.slow_peer_limit_s, f"no word for {cfg.slow_peer_limit_s:.1f} s")
+        assert "does not speak" in why
     finally:
         server.close()
         await h.close()
