@@ -35,8 +35,10 @@ from kvxferd import __version__
 from kvxferd.config import Config, loopback_listen
 from kvxferd.domain import FailureCode
 from kvxferd.faults import FAULT_CONTROL_SUFFIX, PostDelay, fault_control
+from kvxferd.hugepool import mount_of
 from kvxferd.lane import LANE_SUFFIX, LaneServer
 from kvxferd.logs import setup_logging
+from kvxferd.memlimit import PoolDoesNotFit, check_pool_fits
 from kvxferd.memory import POOL_SUFFIX, HostPool
 from kvxferd.metrics import Metrics, start_metrics_server
 from kvxferd.node import Node
@@ -429,8 +431,13 @@ async def serve(
     instance = uuid.uuid4().hex[:12]
     lock = _claim_socket(config.socket)
     try:
+        check_pool_fits(config.host_pool_bytes, on_hugetlbfs=config.pool_backing == "shm_dir"
+                        and mount_of(config.shm_dir)[1] == "hugetlbfs")
         pool = HostPool(config.shm_dir, config.host_pool_bytes, instance, mode=config.socket_mode | 0o600,
                         backing=config.pool_backing)
+    except PoolDoesNotFit as exc:
+        lock.release()
+        raise StartupError(str(exc)) from None
     except OSError as exc:
         lock.release()
         where = "on a private huge-page tmpfs" if config.pool_backing == "private" else f"in {config.shm_dir}"

@@ -236,8 +236,9 @@ class Config:
             raise ConfigError(f"slow_peer_limit_s must be 0..3600, got {self.slow_peer_limit_s}")
         if not 1 <= self.heartbeat_misses <= 100:
             raise ConfigError(f"heartbeat_misses must be 1..100, got {self.heartbeat_misses}")
-        if self.max_message_bytes < 64 << 10:
-            raise ConfigError(f"max_message_bytes must be at least 65536, got {self.max_message_bytes}")
+        # gRPC keeps message limits in a signed 32-bit int: a larger value failed deep in grpc with a traceback.
+        if not 64 << 10 <= self.max_message_bytes <= (1 << 31) - 1:
+            raise ConfigError(f"max_message_bytes must be 65536..2147483647, got {self.max_message_bytes}")
         for key, lo, hi in _CAP_RANGES:
             if not lo <= getattr(self, key) <= hi:
                 raise ConfigError(f"{key} must be {lo}..{hi}, got {getattr(self, key)}")

@@ -285,6 +285,8 @@ if [ "${#K8S_INPUTS[@]}" = 0 ]; then
     while IFS= read -r f; do K8S_INPUTS+=("$f"); done < <(
         find deploy/kubernetes -name '*.yaml' ! -name 'kustomization.yaml' | sort)
 fi
+# The registry's etcd (StatefulSet, PodDisruptionBudget) is applied on its own, not through kustomize.
+K8S_INPUTS+=(deploy/etcd/etcd.yaml)
 if [ "$VENV_OK" != 1 ]; then
     skip "kubernetes-validate" "$VENV_REASON"
 else

@@ -44,6 +44,8 @@ def test_precedence_file_env_flags(short_tmp: Path) -> None:
         ("max_watch_backlog = 1\n", "max_watch_backlog must be 16.."),
         ("room_deadline_s = 100000\n", "room_deadline_s must be > 0 and <= 86400"),
         ("heartbeat_misses = 1000\n", "heartbeat_misses must be 1..100"),
+        ('max_message_bytes = "64GiB"\n', "max_message_bytes must be 65536..2147483647"),
+        ("slow_peer_limit_s = -1\n", "slow_peer_limit_s must be 0..3600"),
     ],
 )
 def test_bad_values_have_clear_messages(short_tmp: Path, content: str, needle: str) -> None:

@@ -371,6 +371,22 @@ def test_daemonset(k8s):
     assert ds["spec"]["selector"]["matchLabels"].items() <= tmpl["metadata"]["labels"].items()
 
 
+def test_etcd_survives_a_drain_and_a_node_loss(yaml):
+    """3 members, one per node (required anti-affinity on the hostname), and a PodDisruptionBudget that
+    lets a drain take one at a time: quorum (2 of 3) is never given up voluntarily."""
+    docs = {f"{d['kind']}/{d['metadata']['name']}": d
+            for d in yaml.safe_load_all((DEPLOY / "etcd" / "etcd.yaml").read_text())}
+    sts, pdb = docs["StatefulSet/etcd"], docs["PodDisruptionBudget/etcd"]
+    members = sts["spec"]["replicas"]
+    labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert members == 3
+    assert pdb["apiVersion"] == "policy/v1" and pdb["spec"]["minAvailable"] == members // 2 + 1
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    (term,) = sts["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"]["matchLabels"].items() <= labels.items()
+
+
 def test_sidecar_example(k8s):
     deps = [o for o in k8s.values() if o["kind"] in ("Deployment", "Pod", "StatefulSet")]
     assert len(deps) == 1
