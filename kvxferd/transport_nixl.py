@@ -186,12 +186,7 @@ class NixlTransport:
                 if self._remotes[name] == metadata:
                     return name
                 self._forget(name)
-            try:
-                loaded = _as_str(self._agent.add_remote_agent(metadata))
-            except Exception as exc:
-                raise TransportError(f"loading NIXL metadata of {name or 'a peer'} failed: {exc}") from exc
-            self._remotes[loaded] = metadata
-            return loaded
+            return self._load(metadata, f"loading NIXL metadata of {name or 'a peer'}")
 
     def remove_remote(self, name: str) -> None:
         """Drops a peer's metadata and connection; WRITEs still in flight to it end in ERROR."""
@@ -212,12 +207,16 @@ class NixlTransport:
             self._forget(name)
             if self._faults is not None:
                 self._faults.rebuilt(name)
-            try:
-                loaded = _as_str(self._agent.add_remote_agent(metadata))
-            except Exception as exc:
-                raise TransportError(f"reloading NIXL metadata of {name} failed: {exc}") from exc
-            self._remotes[loaded] = metadata
-            return loaded
+            return self._load(metadata, f"reloading NIXL metadata of {name}")
+
+    def _load(self, metadata: bytes, what: str) -> str:
+        """Adds a peer's agent entry from its metadata (under self._ctl); returns its agent name."""
+        try:
+            loaded = _as_str(self._agent.add_remote_agent(metadata))
+        except Exception as exc:
+            raise TransportError(f"{what} failed: {exc}") from exc
+        self._remotes[loaded] = metadata
+        return loaded
 
     def _forget(self, name: str) -> None:
         known = self._remotes.pop(name, None) is not None

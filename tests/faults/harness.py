@@ -693,3 +693,14 @@ def failures_in_log(d: DaemonProc, side: str) -> dict[int, tuple[float, str, str
             t = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
             out.setdefault(int(m.group(2)), (t, m.group(5), m.group(6)))
     return out
+
+
+def jobs(pre: DaemonProc, dec: DaemonProc, group: str, rooms: tuple[RoomPlan, ...], **kw: object) -> tuple[Job, Job]:
+    """A prefill and a decode engine job for one group; `p_x`/`d_x` set x on one side only."""
+    both = {k: v for k, v in kw.items() if not k.startswith(("p_", "d_"))}
+    pkw = {**both, **{k[2:]: v for k, v in kw.items() if k.startswith("p_")}}
+    dkw = {**both, **{k[2:]: v for k, v in kw.items() if k.startswith("d_")}}
+    p = Job("prefill", pre.socket, f"{group}-pre", rooms, **pkw)  # type: ignore[arg-type]
+    d = Job("decode", dec.socket, f"{group}-dec", rooms, prefill_address=pre.peer_address,
+            prefill_group=f"{group}-pre", **dkw)  # type: ignore[arg-type]
+    return p, d

@@ -23,7 +23,7 @@ import numpy as np
 
 from kvxfer_client import DecodeReceiver, PrefillSender, RoomState
 from tests.conftest import DaemonProc
-from tests.engine_procs import RoomPlan, part_bytes_for
+from tests.engine_procs import part_bytes_for
 from tests.faults.harness import (
     LAYOUT,
     TOKEN_BYTES,
@@ -31,6 +31,7 @@ from tests.faults.harness import (
     Job,
     assert_alive,
     fault_command,
+    jobs,
     log_lines,
     metric,
     peer_state,
@@ -42,13 +43,6 @@ from tests.faults.harness import (
 )
 
 Pair = tuple[DaemonProc, DaemonProc]
-
-
-def jobs(pre: DaemonProc, dec: DaemonProc, group: str, rooms: tuple[RoomPlan, ...], **kw: object) -> tuple[Job, Job]:
-    p = Job("prefill", pre.socket, f"{group}-pre", rooms, **kw)  # type: ignore[arg-type]
-    d = Job("decode", dec.socket, f"{group}-dec", rooms, prefill_address=pre.peer_address,
-            prefill_group=f"{group}-pre", **kw)  # type: ignore[arg-type]
-    return p, d
 
 
 def outcomes(fleet: Fleet, p: Job, d: Job) -> dict[int, str]:

@@ -15,7 +15,6 @@ import pytest
 from kvxfer_client import DecodeReceiver, PrefillSender, RoomState
 from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from tests.conftest import DaemonProc
-from tests.engine_procs import RoomPlan
 from tests.faults.harness import (
     HEARTBEAT_S,
     LAYOUT,
@@ -26,6 +25,7 @@ from tests.faults.harness import (
     failures_in_log,
     fault_command,
     inject_transfer_errors,
+    jobs,
     log_lines,
     metric,
     plans,
@@ -38,17 +38,6 @@ from tests.faults.harness import (
 Pair = tuple[DaemonProc, DaemonProc]
 # A failure on one side reaches the other within this (the issue's bound: 2 heartbeat intervals).
 BOTH_SIDES_S = 2 * HEARTBEAT_S
-
-
-def jobs(pre: DaemonProc, dec: DaemonProc, group: str, rooms: tuple[RoomPlan, ...], **kw: object) -> tuple[Job, Job]:
-    """A prefill and a decode engine job for one group; `p_x`/`d_x` set x on one side only."""
-    both = {k: v for k, v in kw.items() if not k.startswith(("p_", "d_"))}
-    pkw = {**both, **{k[2:]: v for k, v in kw.items() if k.startswith("p_")}}
-    dkw = {**both, **{k[2:]: v for k, v in kw.items() if k.startswith("d_")}}
-    p = Job("prefill", pre.socket, f"{group}-pre", rooms, **pkw)  # type: ignore[arg-type]
-    d = Job("decode", dec.socket, f"{group}-dec", rooms, prefill_address=pre.peer_address,
-            prefill_group=f"{group}-pre", **dkw)  # type: ignore[arg-type]
-    return p, d
 
 
 def assert_success(fleet: Fleet, p: Job, d: Job, rooms: set[int]) -> None:
