@@ -134,9 +134,10 @@ class Config:
     heartbeat_interval_s: float = 1.0
     heartbeat_misses: int = 2
     # A silent peer whose port still accepts connections (a stopped or stalled daemon, not a dead
-    # one) is lost only after this much silence (never less than twice the heartbeat limit): rooms
-    # with it wait meanwhile and fail at their own deadlines, so a 20 s stall loses nothing.
-    slow_peer_limit_s: float = 60.0
+    # one) is lost only after this much silence, never less than twice the heartbeat limit (the
+    # default, 0): set it above the longest stall to ride out (e.g. 60) and rooms with a stalled
+    # peer wait and fail at their own deadlines instead.
+    slow_peer_limit_s: float = 0.0
     engine_lease_s: float = 10.0
     room_deadline_s: float = 120.0
     drain_grace_s: float = 20.0

@@ -14,9 +14,13 @@ A=kvx2h-a B=kvx2h-b
 declare -a PIDS=()
 
 cleanup() {
-  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-  sleep 1
-  for p in "${PIDS[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+  # Everything started on a "host" runs in its network namespace: its processes, children included
+  # (vLLM's engine cores), are the namespace's pids.
+  local ns_pids=()
+  for ns in "$A" "$B"; do mapfile -t -O "${#ns_pids[@]}" ns_pids < <(ip netns pids "$ns" 2>/dev/null); done
+  for p in "${PIDS[@]}" "${ns_pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  sleep 3
+  for p in "${PIDS[@]}" "${ns_pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
   ip netns del "$A" 2>/dev/null || true
   ip netns del "$B" 2>/dev/null || true
   [[ -n "${KEEP:-}" ]] || rm -rf "$WORK"

@@ -82,12 +82,12 @@ async def test_a_silent_peer_whose_port_accepts_is_slow_not_lost() -> None:
         await h.close()
 
 
-async def test_by_default_a_stalled_peer_is_kept_past_a_20s_stall() -> None:
-    """The default slow_peer_limit_s keeps a peer whose port accepts through a 20 s stall (its rooms
-    fail at their own deadlines), and loses it once that much silence has passed."""
+async def test_a_slow_peer_limit_keeps_a_stalled_peer_past_a_20s_stall() -> None:
+    """slow_peer_limit_s = 60 keeps a peer whose port accepts through a 20 s stall (its rooms fail at
+    their own deadlines), and loses it once that much silence has passed."""
     server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    cfg = Config(heartbeat_interval_s=1.0, heartbeat_misses=2)
+    cfg = Config(heartbeat_interval_s=1.0, heartbeat_misses=2, slow_peer_limit_s=60.0)
     ph = PairHealth(cfg, None, None, Metrics(), health_spawn, lambda: None, no_handshake)  # type: ignore[arg-type]
     h = PeerLink(f"127.0.0.1:{port}", cfg, Metrics())
     h.daemon_id, h.up = "p", True
