@@ -3,7 +3,9 @@
 #   make test   install into .venv (incl. test tools) and run lint, types and the suite
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PIP := $(PY) -m pip --disable-pip-version-check -q
+# --no-compile: byte-compiling every installed module (torch, vLLM) costs CI minutes; what is
+# imported compiles on first use.
+PIP := $(PY) -m pip --disable-pip-version-check -q --no-compile
 SGLANG_VERSION := 0.5.23
 
 .PHONY: install install-test run test lint proto clean
@@ -40,7 +42,7 @@ lint: install-test
 	$(VENV)/bin/lint-imports
 
 test: install-test lint
-	KVX_VALIDATE_DEPLOY=1 TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	KVX_VALIDATE_DEPLOY=1 TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider --durations=30 $(PYTEST_ARGS)
 
 proto: install-test
 	$(PY) scripts/gen_proto.py

@@ -134,10 +134,11 @@ class Config:
     heartbeat_interval_s: float = 1.0
     heartbeat_misses: int = 2
     # A silent peer whose port still accepts connections (a stopped or stalled daemon, not a dead
-    # one) is lost only after this much silence, never less than twice the heartbeat limit (the
-    # default, 0): set it above the longest stall to ride out (e.g. 60) and rooms with a stalled
-    # peer wait and fail at their own deadlines instead.
-    slow_peer_limit_s: float = 0.0
+    # one) is lost only after this much silence, never less than twice the heartbeat limit (0 asks
+    # for that floor): rooms with a stalled peer wait and fail at their own deadlines meanwhile, so
+    # a 20 s stop of either daemon (issue #40) costs no room that could wait. A wedged daemon that
+    # holds its port but never speaks costs this long before its peers give it up.
+    slow_peer_limit_s: float = 30.0
     engine_lease_s: float = 10.0
     room_deadline_s: float = 120.0
     drain_grace_s: float = 20.0

@@ -104,7 +104,10 @@ def test_write_delayed_past_a_peer_loss_lands_only_in_space_nobody_else_owns(dae
     whole ring gets it only after the return, byte-exact."""
     other = launch(daemons.workdir, "prefill2", wait=False)
     daemons.started.append(other)
-    pre, dec = launch_pair(daemons.workdir, daemons.started, "--set", "fault_injection=true")
+    # slow_peer_limit_s=0: the stalled daemon's port accepts, and this test needs it lost at the
+    # heartbeat limit (twice it), not held as slow for the default 30 s.
+    pre, dec = launch_pair(daemons.workdir, daemons.started, "--set", "fault_injection=true",
+                           "--set", "slow_peer_limit_s=0")
     wait_ready(other)
     # A long lease: the stalled daemon must not drop its engine for keep-alives it could not read.
     tx = PrefillSender(socket=pre.socket, group="loss-pre", layout=LAYOUT, ring_bytes=2 * RING, lease_ms=60_000)

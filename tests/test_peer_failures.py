@@ -8,7 +8,9 @@ tests.conftest.inproc runs them) and framed streams against raw sockets:
   nothing queued, and call nobody lost; a peer that opens a new stream while we hold one is
   taken as having lost the old one (what ran on it fails here too).
 
-A peer "hangs" (as under SIGSTOP) by having its writes never finish and its socket not read.
+A peer "hangs" (as under SIGSTOP) by having its writes never finish and its socket not read. Its
+port still accepts connections, so by default it would be held as slow for slow_peer_limit_s
+(kvxferd.peer_heal); the tests of a hung peer's loss set it to 0 (lost at twice the heartbeat limit).
 """
 
 from __future__ import annotations
@@ -122,7 +124,7 @@ def abort_msg(link: PeerLink, room: int, reason: str = "test") -> None:
 
 
 async def test_liveness_goes_on_after_its_checks_fail(inproc: Any, logs: Any) -> None:
-    a, b, c = [await inproc(n, transport="local") for n in ("la", "lb", "lc")]
+    a, b, c = [await inproc(n, transport="local", slow_peer_limit_s=0) for n in ("la", "lb", "lc")]
     pa, pb, pc = manager(a), manager(b), manager(c)
     inbox = spy(pa)
     hab = await pa.connect(b.peer_address)
@@ -291,7 +293,7 @@ def _flood(h: PeerLink, n: int = 40_000) -> None:
 
 
 async def test_a_session_with_a_hung_peer_is_torn_down(inproc: Any, dialed: list[WireStream], logs: Any) -> None:
-    a, b = await inproc("ha", transport="local"), await inproc("hb", transport="local")
+    a, b = [await inproc(n, transport="local", slow_peer_limit_s=0) for n in ("ha", "hb")]
     pa, pb = manager(a), manager(b)
     h = await pa.connect(b.peer_address)
     await until(lambda: h.session is not None and h.session.heard, 3, "the stream taken up")
@@ -608,8 +610,8 @@ async def test_a_peer_with_a_longer_heartbeat_interval_is_not_lost_for_it(inproc
     # fast: 0.5 s x 2 misses = 1 s of silence is a loss; slow writes a keep-alive every 1.5 s
     # (half its 3 s interval). Fast used to lose slow every second or so (a rollout of a new
     # heartbeat_interval_s across a fleet failed every room between old and new daemons).
-    fast = await inproc("hf", transport="local")
-    slow = await inproc("hs", transport="local", heartbeat_interval_s=3.0, peer_forget_s=6.0)
+    fast = await inproc("hf", transport="local", slow_peer_limit_s=0)
+    slow = await inproc("hs", transport="local", heartbeat_interval_s=3.0, peer_forget_s=6.0, slow_peer_limit_s=0)
     pf, ps = manager(fast), manager(slow)
     inbox = spy(pf)
     h = await pf.connect(slow.peer_address)

@@ -134,7 +134,9 @@ def test_pages_stay_fenced_across_a_lost_session_until_the_prefill_side_answers(
     room's pages is held: the room fails PEER_LOST at once, fenced. The session comes back with
     the same instance; the decode side asks again, and the prefill side answers once its WRITE
     is over. Only then does release() return."""
-    pre, dec = launch_pair(daemons.workdir, daemons.started, "--set", "fault_injection=true")
+    # slow_peer_limit_s=0: a stalled loop's port accepts; lost at the heartbeat limit, not held as slow.
+    pre, dec = launch_pair(daemons.workdir, daemons.started, "--set", "fault_injection=true",
+                           "--set", "slow_peer_limit_s=0")
     tx, rx = _setup(pre.socket, dec.socket, pre.peer_address)
     events = _Events(rx)
     try:

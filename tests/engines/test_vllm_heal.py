@@ -44,11 +44,11 @@ NEW = 6
 T = 180.0  # one generate call's budget (a loaded 2-core box)
 STOP_S = 20.0
 FAILED = "kvxfer_prefill_failed"
-# A stopped daemon's port still accepts connections, so with slow_peer_limit_s = 60 its peer holds
-# it as slow, not lost, through the 20 s stop, and a daemon resumed from a stop does not count the
-# time away against its engines' leases (kvxferd.peer_heal): the requests in flight complete after
-# it. (With the default, twice the heartbeat limit, they fail PEER_LOST after 4 s, cleanly.)
-DAEMON_ARGS: tuple[str, ...] = ("--set", "slow_peer_limit_s=60")
+# The daemons run with their defaults: a stopped daemon's port still accepts connections, so its
+# peer holds it as slow, not lost, through the 20 s stop (slow_peer_limit_s, 30 s), and a daemon
+# resumed from a stop does not count the time away against its engines' leases
+# (kvxferd.peer_heal): the requests in flight complete after it.
+DAEMON_ARGS: tuple[str, ...] = ()
 # recompute: a load that fails is computed by the decode engine itself (vLLM's own path, chosen
 # through the connector's option over vLLM's default "fail"), so every request of a fault must
 # still give the reference tokens, with nothing loaded through kvxferd.

@@ -6,8 +6,9 @@
   field, where only a restart healed it): the pair shows down while it is broken, its connection is
   rebuilt once the cause has passed, and the next rooms succeed, with no restart;
 - a 3 s SIGSTOP of either daemon under load fails no room (slow is not dead);
-- a 20 s SIGSTOP of the decode daemon loses none of its engines, which renew after it resumes, and
-  rooms work again afterwards.
+- a 20 s SIGSTOP of the decode daemon (default slow_peer_limit_s) loses none of its engines, which
+  renew after it resumes; a room whose deadline falls inside the stop fails DEADLINE at that
+  deadline, the room beside it whose deadline allows completes after the stop, and new rooms work.
 
 Every room that succeeds has every byte checked by the decode engine.
 """
@@ -158,19 +159,42 @@ def test_a_20s_stop_loses_no_engine_that_renews_after_it(pair: Pair) -> None:
                        claim_slots=False) as tx, \
             DecodeReceiver(socket=dec.socket, group="long-dec", layout=LAYOUT, ring_bytes=1 << 20,
                            lease_ms=2000) as rx:
+        # Two rooms wait for the prefill engine's chunks through the stop: the deadline of one (4 s)
+        # falls inside it, the other's (60 s) allows it.
+        rx.expect(12, pre.peer_address, "long-pre", 32, deadline_ms=4000)
+        rx.expect(13, pre.peer_address, "long-pre", 32, deadline_ms=60_000)
+        wait_until(lambda: all(tx.poll(r).state is RoomState.WAITING_FOR_INPUT for r in (12, 13)), 15,
+                   "both rooms bootstrapped on the prefill side")
+        t_stop = time.monotonic()
         dec.proc.send_signal(signal.SIGSTOP)
         try:
-            time.sleep(20)
+            # The prefill daemon, still running, holds the silent decode daemon as slow, not lost
+            # (slow_peer_limit_s, 30 s by default): the short room fails at its own deadline.
+            wait_until(lambda: tx.poll(12).state is RoomState.FAILED, 15, "the 4 s room to fail at its deadline")
+            failed_after = time.monotonic() - t_stop
+            assert tx.poll(12).failure_code == "DEADLINE", tx.poll(12)
+            assert tx.poll(13).state is RoomState.WAITING_FOR_INPUT, tx.poll(13)
+            time.sleep(max(0.0, t_stop + 20 - time.monotonic()))
         finally:
             dec.proc.send_signal(signal.SIGCONT)
         t_cont = time.monotonic()
+        record_timing("20 s SIGSTOP of the decode daemon", "a 4 s room FAILED DEADLINE (prefill side, from the stop)",
+                      [failed_after], "the 60 s room beside it then succeeded")
         wait_until(lambda: both_up(pre, dec), 30, "both daemons to see each other up after the stop")
+        wait_until(lambda: rx.poll(12).state is RoomState.FAILED, 10, "the 4 s room failed on the decode side")
+        assert rx.poll(12).failure_code == "DEADLINE", rx.poll(12)
+        tx.release(12)
+        rx.release(12)
+        # The room whose deadline allowed it completes after the stop, every byte checked.
+        move_checked(tx, rx, 13)
         # More than a whole lease after the resume: an engine expired by the paused clock is gone by now.
         time.sleep(max(0.0, t_cont + 3.0 - time.monotonic()))
         assert rx.engine_id in {e.engine_id for e in status(dec.socket).engines}
         assert not log_lines(dec, "engine lease lapsed")
         assert log_lines(dec, "keep their leases")
-        # The same engines move a room, every byte checked.
+        for side in (pre, dec):
+            assert not log_lines(side, ") lost: "), log_lines(side, ") lost: ")
+        # The same engines move a new room, every byte checked.
         rx.expect(11, pre.peer_address, "long-pre", 32)
         move_checked(tx, rx, 11)
     wait_no_slots(pre, dec)
