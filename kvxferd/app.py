@@ -35,10 +35,9 @@ from kvxferd import __version__
 from kvxferd.config import Config, loopback_listen
 from kvxferd.domain import FailureCode
 from kvxferd.faults import FAULT_CONTROL_SUFFIX, PostDelay, fault_control
-from kvxferd.hugepool import mount_of
 from kvxferd.lane import LANE_SUFFIX, LaneServer
 from kvxferd.logs import setup_logging
-from kvxferd.memlimit import PoolDoesNotFit, check_pool_fits
+from kvxferd.memlimit import PoolDoesNotFit
 from kvxferd.memory import POOL_SUFFIX, HostPool
 from kvxferd.metrics import Metrics, start_metrics_server
 from kvxferd.node import Node
@@ -431,16 +430,16 @@ async def serve(
     instance = uuid.uuid4().hex[:12]
     lock = _claim_socket(config.socket)
     try:
-        check_pool_fits(config.host_pool_bytes, on_hugetlbfs=config.pool_backing == "shm_dir"
-                        and mount_of(config.shm_dir)[1] == "hugetlbfs")
+        # HostPool checks the pool against the memory of the backing it picks (kvxferd.memlimit).
         pool = HostPool(config.shm_dir, config.host_pool_bytes, instance, mode=config.socket_mode | 0o600,
-                        backing=config.pool_backing)
+                        backing=config.pool_backing, huge_dir=config.huge_dir)
     except PoolDoesNotFit as exc:
         lock.release()
         raise StartupError(str(exc)) from None
     except OSError as exc:
         lock.release()
-        where = "on a private huge-page tmpfs" if config.pool_backing == "private" else f"in {config.shm_dir}"
+        where = {"private": "on a private huge-page tmpfs", "huge_dir": f"in {config.huge_dir}"}.get(
+            config.pool_backing, f"in {config.shm_dir}")
         raise StartupError(f"cannot create the host pool {where}: {exc.strerror or exc}") from exc
     t0 = time.monotonic()
     try:
@@ -452,7 +451,7 @@ async def serve(
         raise StartupError(f"cannot make the {pool.size >> 20} MiB host pool resident ({pool.backing}): "
                            f"{exc.strerror or exc}; lower host_pool_bytes or free memory") from exc
     logger.info("host pool: %d MiB, %s%s, %s", pool.size >> 20, pool.backing,
-                f" at {pool.path}" if pool.path else " (handed to engines by fd)",
+                f" at {pool.path}" if pool.path else f" ({pool.file + ', ' if pool.file else ''}handed to engines by fd)",
                 f"resident after {time.monotonic() - t0:.2f} s" if config.prefault_pool else "pages placed on first use")
     d = _Daemon(config, Metrics(), pool, lock)
     try:

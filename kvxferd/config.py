@@ -55,7 +55,7 @@ PEER_BATCH_MSGS = 4096
 # Shortest shared peer secret accepted (bytes, surrounding whitespace removed).
 MIN_SECRET_BYTES = 16
 PEER_AUTH_MODES = ("mtls", "secret", "none-loopback", "insecure")
-POOL_BACKINGS = ("auto", "private", "shm_dir")
+POOL_BACKINGS = ("auto", "private", "shm_dir", "huge_dir")
 
 
 def loopback_listen(hostport: str) -> bool:
@@ -107,8 +107,13 @@ class Config:
     host_pool_bytes: int = 256 << 20
     shm_dir: str = "/dev/shm"
     # "auto": a private huge-page tmpfs handed to engines by fd, else a file in shm_dir (warned);
-    # "private": that or no start; "shm_dir": always a named file in shm_dir (kvxferd.memory).
+    # "private": that or no start; "shm_dir": always a named file in shm_dir (kvxferd.memory);
+    # "huge_dir": a file in huge_dir or no start. "auto" tries huge_dir first when it is set.
     pool_backing: str = "auto"
+    # A hugetlbfs (or huge= tmpfs) the platform mounted for the daemon (/dev/hugepages/kvxferd,
+    # a Kubernetes HugePages emptyDir): huge pages without unshare or any capability; the pool
+    # file is handed to engines by fd, so they need no part of the mount (kvxferd.memory).
+    huge_dir: str = ""
     # Serve the engine API's unary calls on <socket>.lane too (kvxferd.lane): same calls, a
     # fraction of gRPC's CPU per call; engines use it when the registration reply names it.
     engine_lane: bool = True
@@ -266,6 +271,8 @@ class Config:
             raise ConfigError(f"shm_dir {self.shm_dir!r} is not a directory")
         if self.pool_backing not in POOL_BACKINGS:
             raise ConfigError(f"pool_backing must be one of {', '.join(POOL_BACKINGS)}, got {self.pool_backing!r}")
+        if self.pool_backing == "huge_dir" and not Path(self.huge_dir).is_dir():
+            raise ConfigError(f"pool_backing = \"huge_dir\" needs huge_dir to name a directory, got {self.huge_dir!r}")
         _check_socket_path(self.socket)
         return self
 

@@ -156,7 +156,9 @@ def huge_bytes_mapped(addr: int, length: int) -> int:
                 if "-" in line.split(" ", 1)[0] and not line.endswith("kB\n"):
                     lo, hi = (int(x, 16) for x in line.split(" ", 1)[0].split("-"))
                     inside = lo < addr + length and hi > addr
-                elif inside and line.startswith(("ShmemPmdMapped:", "FilePmdMapped:", "AnonHugePages:")):
+                # hugetlbfs mappings count apart from THP ones, as Shared_/Private_Hugetlb.
+                elif inside and line.startswith(("ShmemPmdMapped:", "FilePmdMapped:", "AnonHugePages:",
+                                                 "Shared_Hugetlb:", "Private_Hugetlb:")):
                     total += int(line.split()[1]) << 10
     except (OSError, ValueError):
         return 0

@@ -5,7 +5,9 @@ container, used to end in a traceback or, inside a memory-limited pod, in an OOM
 log. The answer comes from /proc/meminfo (MemAvailable) and the ``memory.max`` of every cgroup from
 the daemon's own up to the root (the tightest one, less what it already holds), so the daemon can
 refuse with one line and exit 2 instead. A pool on hugetlbfs is not counted there (its pages are
-reserved apart), so it is checked against the free huge pages instead.
+reserved apart), so it is checked against the huge pages nobody holds or has reserved (free less
+reserved: a page reserved by another mapping is not free to us) and against the cgroup's
+``hugetlb.<size>.max`` (a pod's ``hugepages-2Mi`` limit), the tightest of them.
 """
 
 from __future__ import annotations
@@ -49,9 +51,9 @@ def _read_int(path: Path) -> int | None:
 
 
 def cgroup_headroom(proc_cgroup: Path = Path("/proc/self/cgroup"),
-                    cgroup_root: Path = Path("/sys/fs/cgroup")) -> Headroom | None:
-    """The least `memory.max - memory.current` over this process's cgroup v2 and its ancestors;
-    None without cgroup v2 or without any limit."""
+                    cgroup_root: Path = Path("/sys/fs/cgroup"), controller: str = "memory") -> Headroom | None:
+    """The least `<controller>.max - <controller>.current` over this process's cgroup v2 and its
+    ancestors (`memory`, or `hugetlb.2MB` for huge pages); None without cgroup v2 or any limit."""
     try:
         lines = proc_cgroup.read_text().splitlines()
     except OSError:
@@ -62,9 +64,9 @@ def cgroup_headroom(proc_cgroup: Path = Path("/proc/self/cgroup"),
     best: Headroom | None = None
     node = cgroup_root / rel.lstrip("/")
     while True:
-        limit = _read_int(node / "memory.max")  # "max" (no limit) reads as None
+        limit = _read_int(node / f"{controller}.max")  # "max" (no limit) reads as None
         if limit is not None:
-            used = _read_int(node / "memory.current") or 0
+            used = _read_int(node / f"{controller}.current") or 0
             room = Headroom(max(0, limit - used), f"the cgroup limit of {node} ({limit >> 20} MiB, "
                                                   f"{used >> 20} MiB in use)")
             if best is None or room.bytes < best.bytes:
@@ -74,15 +76,39 @@ def cgroup_headroom(proc_cgroup: Path = Path("/proc/self/cgroup"),
         node = node.parent
 
 
+def _cgroup_size_name(page_size: int) -> str:
+    """hugetlb controller files name a page size as 2MB, 1GB, 64KB."""
+    for shift, unit in ((30, "GB"), (20, "MB"), (10, "KB")):
+        if page_size >= 1 << shift and page_size % (1 << shift) == 0:
+            return f"{page_size >> shift}{unit}"
+    return f"{page_size}B"
+
+
+def _free_huge_pages(info: dict[str, int], page_size: int, sysfs: Path) -> tuple[int, int] | None:
+    """(pages free and not reserved, page size) of `page_size` (0: the default size)."""
+    default = info.get("Hugepagesize", 0)
+    size = page_size or default
+    if size and size == default and "HugePages_Free" in info:
+        return max(0, info["HugePages_Free"] - info.get("HugePages_Rsvd", 0)), size
+    pool = sysfs / f"hugepages-{size >> 10}kB"
+    free, resv = _read_int(pool / "free_hugepages"), _read_int(pool / "resv_hugepages")
+    return None if free is None or not size else (max(0, free - (resv or 0)), size)
+
+
 def headroom(on_hugetlbfs: bool, meminfo: Path = Path("/proc/meminfo"),
-             proc_cgroup: Path = Path("/proc/self/cgroup"), cgroup_root: Path = Path("/sys/fs/cgroup")) -> Headroom | None:
-    """What a new pool may take: the tightest of the limits that apply; None if none can be read."""
+             proc_cgroup: Path = Path("/proc/self/cgroup"), cgroup_root: Path = Path("/sys/fs/cgroup"),
+             page_size: int = 0, sysfs: Path = Path("/sys/kernel/mm/hugepages")) -> Headroom | None:
+    """What a new pool may take: the tightest of the limits that apply; None if none can be read.
+    On hugetlbfs `page_size` is the mount's (0: the system's default huge page size)."""
     info = _meminfo(meminfo)
     if on_hugetlbfs:
-        free, size = info.get("HugePages_Free"), info.get("Hugepagesize")
-        if free is None or not size:
-            return None
-        return Headroom(free * size, f"the free huge pages ({free} of {size >> 10} KiB)")
+        got = _free_huge_pages(info, page_size, sysfs)
+        pages = [] if got is None else [
+            Headroom(got[0] * got[1], f"the free huge pages ({got[0]} of {got[1] >> 10} KiB, reserved ones not counted; "
+                                      f"reserve more with vm.nr_hugepages)")]
+        limited = cgroup_headroom(proc_cgroup, cgroup_root, f"hugetlb.{_cgroup_size_name(got[1] if got else page_size or 2 << 20)}")
+        pages += [limited] if limited is not None else []
+        return min(pages, key=lambda r: r.bytes) if pages else None
     rooms = [r for r in (
         Headroom(info["MemAvailable"], f"MemAvailable ({info['MemAvailable'] >> 20} MiB)") if "MemAvailable" in info else None,
         cgroup_headroom(proc_cgroup, cgroup_root),
@@ -91,9 +117,10 @@ def headroom(on_hugetlbfs: bool, meminfo: Path = Path("/proc/meminfo"),
 
 
 def check_pool_fits(nbytes: int, on_hugetlbfs: bool = False, meminfo: Path = Path("/proc/meminfo"),
-                    proc_cgroup: Path = Path("/proc/self/cgroup"), cgroup_root: Path = Path("/sys/fs/cgroup")) -> None:
+                    proc_cgroup: Path = Path("/proc/self/cgroup"), cgroup_root: Path = Path("/sys/fs/cgroup"),
+                    page_size: int = 0, sysfs: Path = Path("/sys/kernel/mm/hugepages")) -> None:
     """Raises PoolDoesNotFit when a pool of `nbytes` (plus a reserve) exceeds the headroom."""
-    room = headroom(on_hugetlbfs, meminfo, proc_cgroup, cgroup_root)
+    room = headroom(on_hugetlbfs, meminfo, proc_cgroup, cgroup_root, page_size, sysfs)
     if room is None:
         return
     reserve = 0 if on_hugetlbfs else RESERVE_BYTES

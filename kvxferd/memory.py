@@ -28,6 +28,7 @@ from kvxferd.hugepool import (
     mount_of,
     private_huge_file,
 )
+from kvxferd.memlimit import PoolDoesNotFit, check_pool_fits
 from kvxferd.owned import check_dir, create_locked, remove_unowned
 
 logger = logging.getLogger(__name__)
@@ -173,35 +174,60 @@ class HostPool:
     """The daemon's host memory, mapped here and by local engines (their rings are windows of it).
 
     Backings, by `pool_backing`:
-    - ``private`` (what ``auto`` tries first): an unnamed file on a private huge-page tmpfs
-      (kvxferd.hugepool), handed to engines as a file descriptor over ``<socket>.pool``;
+    - ``huge_dir`` (what ``auto`` tries first when `huge_dir` is set): a named, locked file in
+      `huge_dir`, a hugetlbfs (or huge= tmpfs) the platform mounted for us (systemd's
+      /dev/hugepages, a Kubernetes ``emptyDir: {medium: HugePages-2Mi}``), sized against the huge
+      pages free to us; handed to engines as a file descriptor over ``<socket>.pool``, so engine
+      pods need no part of that mount. Needs no capability at all, unlike ``private``;
+    - ``private``: an unnamed file on a private huge-page tmpfs (kvxferd.hugepool), handed to
+      engines the same way; needs CAP_SYS_ADMIN or unprivileged user namespaces (``unshare``);
     - ``shm_dir``: a named file in `shm_dir`, opened by engines by path. On hugetlbfs or on a
       tmpfs mounted with ``huge=`` it gets huge pages; elsewhere 4 KiB pages, which make every
       NIXL WRITE into it cost about twice the CPU over CMA (see kvxferd.hugepool).
     ``auto`` keeps `shm_dir` when that is already on huge pages (the operator's choice), and
-    falls back to it with a warning when no private huge tmpfs can be made here.
+    falls back to it with one warning naming what was tried when no huge pages can be had.
+    The pool is checked against the memory it would come from before it is made
+    (kvxferd.memlimit): PoolDoesNotFit, except that huge pages too few for ``auto`` fall back.
     """
 
-    def __init__(self, shm_dir: str, size: int, tag: str, mode: int = 0o600, backing: str = "auto") -> None:
+    def __init__(self, shm_dir: str, size: int, tag: str, mode: int = 0o600, backing: str = "auto",
+                 huge_dir: str = "") -> None:
         self.tag = tag
-        self.path = ""
+        self.path = ""  # what engines open by name; "" = they get the fd over <socket>.pool
+        self.file = ""  # our named file, if any (removed at close)
         self.backing = ""
+        self.page_size = 0
         _, shm_fs, shm_opts = mount_of(shm_dir)
         shm_huge = huge_mount_page_size(shm_fs, shm_opts)
         fd = -1
-        if backing == "private" or (backing == "auto" and not shm_huge):
+        missed: list[str] = []
+        if backing == "huge_dir" or (backing == "auto" and huge_dir):
+            try:
+                fd = self._create_in_huge_dir(huge_dir, size, mode)
+            except (Unavailable, PoolDoesNotFit) as exc:
+                if backing == "huge_dir":
+                    raise
+                missed.append(f"huge_dir {huge_dir}: {exc.strerror if isinstance(exc, OSError) else exc}")
+        if fd < 0 and (backing == "private" or (backing == "auto" and not shm_huge)):
+            check_pool_fits(size)
             try:
                 fd = private_huge_file(size)
                 self.backing, self.page_size = "private-huge-tmpfs", HUGE_PAGE
             except Unavailable as exc:
                 if backing == "private":
                     raise
-                logger.warning("host pool: no private huge-page tmpfs here (%s); using 4 KiB pages in %s, "
-                               "which makes each NIXL WRITE into this daemon cost about twice the CPU. "
-                               "Fix: let the daemon unshare a mount namespace, or put shm_dir on "
-                               "hugetlbfs or a tmpfs mounted with huge=within_size", exc.strerror or exc, shm_dir)
+                missed.append(f"private huge-page tmpfs: {exc.strerror or exc}")
         if fd < 0:
-            fd = self._create_named(shm_dir, size, mode, shm_fs, shm_huge)
+            check_pool_fits(size, on_hugetlbfs=shm_fs == "hugetlbfs", page_size=shm_huge)
+            fd = self._create_named(shm_dir, size, mode, shm_fs, shm_huge, "shm_dir")
+            self.path = self.file
+        if missed:
+            # One line for the whole fall-back: what was tried, why each failed, what it costs.
+            cost = "" if self.page_size else (
+                ", 4 KiB pages: each NIXL WRITE into this daemon costs about twice the CPU. Fix: reserve huge "
+                "pages for huge_dir (deploy/README.md) or let the daemon unshare a mount namespace")
+            logger.warning("host pool: no %s; using %s%s%s", "; no ".join(missed), self.backing,
+                           f" in {shm_dir}" if self.path else "", cost)
         self._fd = fd
         try:
             self.size = os.fstat(fd).st_size
@@ -219,17 +245,31 @@ class HostPool:
         self.regions = RingAllocator(self.size, REGION_ALIGN)
         self._closed = False
 
-    def _create_named(self, shm_dir: str, size: int, mode: int, fstype: str, huge: int) -> int:
+    def _create_in_huge_dir(self, huge_dir: str, size: int, mode: int) -> int:
+        """Our pool file in a huge-page mount made for us; Unavailable (why) when it is no such
+        mount, PoolDoesNotFit when its huge pages are too few."""
+        if not huge_dir or not os.path.isdir(huge_dir):
+            raise Unavailable(errno.ENOENT, f"no directory {huge_dir!r}")
+        _, fstype, opts = mount_of(huge_dir)
+        page = huge_mount_page_size(fstype, opts)
+        if not page:
+            raise Unavailable(errno.EINVAL, f"{huge_dir} is on {fstype or 'an unknown file system'}, "
+                                            "not on hugetlbfs or a tmpfs mounted with huge=")
+        # hugetlbfs pages are reserved apart from MemAvailable: held to the free huge pages instead.
+        check_pool_fits(align_up(size, page), on_hugetlbfs=fstype == "hugetlbfs", page_size=page)
+        return self._create_named(huge_dir, size, mode, fstype, page, "huge_dir")
+
+    def _create_named(self, shm_dir: str, size: int, mode: int, fstype: str, huge: int, key: str) -> int:
         self.page_size = huge
         self.backing = "hugetlbfs" if fstype == "hugetlbfs" else ("tmpfs-huge" if huge else "tmpfs")
-        warning = check_dir(shm_dir, "shm_dir")
+        warning = check_dir(shm_dir, key)
         if warning:
             logger.warning("%s", warning)
         _remove_stale_pools(shm_dir)
-        self.path = str(Path(shm_dir) / f"kvxferd-{self.tag}{POOL_SUFFIX}")
+        self.file = str(Path(shm_dir) / f"kvxferd-{self.tag}{POOL_SUFFIX}")
         # The open fd holds the pool's lock for the daemon's life: that, not a PID, tells the next
-        # daemon started on this shm_dir (in any PID namespace) whether the pool is still in use.
-        fd = create_locked(self.path, mode)
+        # daemon started on this directory (in any PID namespace) whether the pool is still in use.
+        fd = create_locked(self.file, mode)
         try:
             os.fchmod(fd, mode)
             os.ftruncate(fd, align_up(size, huge or REGION_ALIGN))
@@ -283,9 +323,9 @@ class HostPool:
         return memoryview(self._mm)[offset : offset + length]
 
     def _unlink(self) -> None:
-        if self.path:
+        if self.file:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+                os.unlink(self.file)
 
     def close(self) -> None:
         if self._closed:
