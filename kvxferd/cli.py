@@ -34,7 +34,45 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kvxferd: error: bad configuration: {exc}", file=sys.stderr)
         return 2
+    clash = _port_in_use(config)
+    if clash:
+        print(f"kvxferd: error: {clash}", file=sys.stderr)
+        return 2
     return run(config, ready_file=args.ready_file)
+
+
+def _port_in_use(config: Any) -> str | None:
+    """A fixed port of ours that another process already listens on, said once and before anything
+    starts: found later, gRPC's own log line would print beside ours, after NIXL and the pool."""
+    import errno
+    import socket
+
+    peer_host = config.peer_listen.rpartition(":")[0]
+    wanted = [("peer service (peer_listen)", config.peer_listen),
+              ("peer control stream (peer_stream_port)", f"{peer_host}:{config.peer_stream_port}"),
+              ("metrics (metrics_port)", f"{config.metrics_host}:{config.metrics_port}"),
+              ("engine TCP listener (listen)", config.listen)]
+    for what, address in wanted:
+        host, _, port = address.rpartition(":")
+        if not port.isdigit() or int(port) == 0:
+            continue  # off (-1, unset) or ephemeral: nothing to clash with
+        try:
+            infos = socket.getaddrinfo(host.strip("[]") or None, int(port), type=socket.SOCK_STREAM)
+        except OSError:
+            continue  # the daemon's own start-up names an unresolvable host
+        family, kind, proto, _, addr = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            # SO_REUSEADDR: a port left in TIME_WAIT is free to listen on; only a live listener clashes.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(addr)
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    continue
+                return (f"{address} for the {what} is already in use by another process (another kvxferd? "
+                        "a second daemon on one host needs its own --socket, --peer-listen and --metrics-port, "
+                        "and its own peer_stream_port where that is fixed)")
+    return None
 
 
 def _registry_state(ch: Any, timeout: float) -> str:
@@ -50,6 +88,22 @@ def _registry_state(ch: Any, timeout: float) -> str:
     except grpc.RpcError as exc:
         return "off" if exc.code() == grpc.StatusCode.NOT_FOUND else f"unknown ({exc.code().name})"
     return "up" if reply.status == health_pb2.HealthCheckResponse.SERVING else "DEGRADED (etcd unreachable)"
+
+
+def _is_peer_port(path: str, tls: Any, timeout: float) -> bool:
+    """Whether the server at `path` serves the peer service: its health service knows it."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvxfer_client._common import sync_channel
+
+    try:
+        with sync_channel(path, tls) as ch:
+            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="kvxfer.v1.Peer"),
+                                                 timeout=timeout)
+    except (grpc.RpcError, ValueError, OSError):
+        return False
+    return True
 
 
 def _fleet(args: argparse.Namespace) -> int:
@@ -111,6 +165,11 @@ def _status(args: argparse.Namespace) -> int:
             st = engine_pb2_grpc.EngineStub(ch).GetStatus(engine_pb2.GetStatusRequest(), timeout=args.timeout)
             registry = _registry_state(ch, args.timeout)
     except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.UNIMPLEMENTED and _is_peer_port(path, tls, args.timeout):
+            print(f"kvxferd: error: {path} is a kvxferd peer port (daemon to daemon), not the engine API; "
+                  "the engine API is the daemon's Unix socket on its own host (run `kvxferd status` there, "
+                  "or --socket PATH), or its `listen` HOST:PORT where that is set", file=sys.stderr)
+            return 2
         print(f"kvxferd: error: cannot reach the daemon at {path}: {exc.code().name}: {exc.details()}",
               file=sys.stderr)
         return 1
@@ -203,8 +262,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="daemons, groups, instance ids and ages from the fleet registry (etcd)")
     st.add_argument("--config", help="with --fleet: TOML file with the [registry] table (or KVXFERD_CONFIG)")
     st.add_argument("--endpoints", help="with --fleet: etcd HOST:PORT[,HOST:PORT] (or KVXFERD_REGISTRY_ENDPOINTS)")
-    b = sub.add_parser("bench", help="benchmarks; `kvxferd bench NAME --help`")
-    b.add_argument("which", choices=_BENCHES)
+    # No help of its own: `kvxferd bench NAME --help` must reach NAME's parser (its options), so
+    # -h is taken here only to pass it on, or to print this usage when no NAME is given.
+    b = sub.add_parser("bench", help="benchmarks; `kvxferd bench NAME --help`", add_help=False,
+                       usage=f"kvxferd bench {{{','.join(_BENCHES)}}} [--help] [OPTIONS]")
+    b.add_argument("which", nargs="?", choices=_BENCHES, help="the benchmark; `kvxferd bench NAME --help` lists its options")
+    b.add_argument("-h", "--help", action="store_true", dest="bench_help")
     args, rest = parser.parse_known_args(argv)
     if args.cmd != "bench" and rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
@@ -212,7 +275,10 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(args)
     if args.cmd == "status":
         return _status(args)
-    return _bench(args, rest)
+    if args.which is None:
+        b.print_help()
+        return 0 if args.bench_help else 2
+    return _bench(args, [*rest, "--help"] if args.bench_help else rest)
 
 
 if __name__ == "__main__":
