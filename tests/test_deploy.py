@@ -2,8 +2,8 @@
 
 The real validators (systemd-analyze, kubernetes-validate, promtool, hadolint, ...) run in
 scripts/validate-deploy.sh; `test_validate_deploy_script` runs it when
-KVX_VALIDATE_DEPLOY=1.  Names checked here come from docs/contracts.md, so a renamed
-metric or config key fails these tests instead of silently breaking a dashboard.
+KVX_VALIDATE_DEPLOY=1.  Names checked here come from docs/contracts.md (metrics) and the
+generated docs/config.md (config keys), so a renamed metric or config key fails these tests instead of silently breaking a dashboard.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ except ModuleNotFoundError:  # Python 3.10
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 CONTRACTS = ROOT / "docs" / "contracts.md"
+CONFIG_DOC = ROOT / "docs" / "config.md"  # generated from kvxferd/config.py
 UNIT = DEPLOY / "systemd" / "kvxferd.service"
 EXAMPLE_TOML = DEPLOY / "systemd" / "kvxferd.toml"
 K8S = DEPLOY / "kubernetes"
@@ -64,13 +65,10 @@ def contract_metrics() -> tuple[set[str], set[str]]:
 
 
 def contract_config() -> tuple[set[str], dict[str, str]]:
-    """(config keys, {key: default text}) from contracts.md '## Config'."""
-    sec = _section(CONTRACTS.read_text(), "Config")
-    body = sec.split("\n", 1)[1].split("Default gRPC ports")[0]
-    defaults: dict[str, str] = {}
-    # Parenthesised defaults may contain anything but nested parentheses with commas.
-    for m in re.finditer(r"([a-z_][a-z0-9_]*)\s*(?:\(((?:[^()]|\([^()]*\))*)\))?\s*(?:,|\.|$)", body):
-        defaults[m.group(1)] = (m.group(2) or "").strip()
+    """(config keys, {key: default text}) from the generated reference docs/config.md's key table."""
+    defaults = {m.group(1): m.group(2).strip().strip("`")
+                for m in re.finditer(r"^\| \[`([a-z_][a-z0-9_]*)`\]\(#[a-z0-9_]+\) \| (.*) \|$",
+                                     CONFIG_DOC.read_text(), re.M)}
     keys = set(defaults)
     assert {"socket", "peer_listen", "metrics_port", "drain_grace_s"} <= keys, keys
     return keys, defaults
