@@ -77,6 +77,10 @@ def build_settings(args: argparse.Namespace) -> Settings:
         s = replace(s, point_bytes=parse_size(args.point_bytes))
     if args.enqueue_wait:
         s = replace(s, enqueue_wait=True)
+    if args.workers is not None:
+        if not 1 <= args.workers <= 256:
+            raise SystemExit(f"kvxferd bench loopback: --workers must be 1..256, got {args.workers}")
+        s = replace(s, workers=args.workers)
     if (shape.head_dim * shape.dtype_bytes) % 8:
         raise SystemExit("kvxferd bench loopback: head_dim x dtype_bytes must be a multiple of 8")
     for c in s.chunk_tokens:
@@ -108,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--enqueue-wait", action="store_true",
                     help="prefill engines wait for each EnqueueChunk's reply (default: they do not; "
                          "PrefillSender.enqueue(wait=False))")
+    ap.add_argument("--workers", type=int,
+                    help="transfer workers of both daemons, and the UCX workers and posting threads of the tuned "
+                         "raw NIXL pair and the memcpy ceiling (default: the daemon's default here, "
+                         "Config.transfer_workers)")
     ap.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake pair")
     ap.add_argument("--no-reference", action="store_true", help="skip the kvxferd.bench.raw_nixl cross-check")
     ap.add_argument("--profile", metavar="DIR", help="py-spy both daemons during the headline kvxferd point and the mixed-TP points at the headline chunk")
@@ -124,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     con.print(f"[bold]kvxferd bench loopback[/] — {s.shape.describe()}; rooms of {s.room_tokens} tokens; "
               f"chunks {', '.join(map(str, s.chunk_tokens))} tokens; {', '.join(map(str, s.concurrency))} rooms in flight"
               f"{' (quick)' if s.quick else ''}")
-    con.print(f"logs: {bench.workdir}")
+    con.print(f"logs: {bench.workdir}; {bench.workers} transfer workers (daemons, tuned raw NIXL, memcpy)")
     result: dict[str, Any] = {}
     phases: dict[str, float] = {}
     rc = 0
@@ -169,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = asdict(s)
     settings["bytes_per_token"] = s.shape.bytes_per_token
     settings["room_bytes"] = s.room_bytes
+    settings["transfer_workers"] = bench.workers
     result = {
         "bench": "loopback",
         "generated_unix": int(time.time()),
@@ -188,9 +197,17 @@ def main(argv: list[str] | None = None) -> int:
                                         "without waiting for its reply (verdicts checked at the end of a run)")
                        + "; a decode rank watches, checks each landed chunk and watermarks per batch of events",
             "daemons": "python -m kvxferd serve with the default config except socket, ephemeral 127.0.0.1 ports, "
-                       "host_pool_bytes sized for the rings, metrics off",
+                       "host_pool_bytes sized for the rings, metrics off" + (f", workers {s.workers}" if s.workers else ""),
+            "baselines": "raw NIXL, tuned (the headline's): as many UCX workers and posting threads as the daemons' "
+                         "transfer workers, host pools made like the daemons' (huge pages where they get them); "
+                         "raw NIXL, 1 thread: one UCX worker, one posting thread, plain buffers (an engine that "
+                         "embeds NIXL); memcpy: the tuned initiator's threads copying the same chunks between two "
+                         "such pools",
         },
         "ratios": ratios,
+        # What the headline's baseline ran with: the daemons' worker count, buffers like their pools.
+        "raw_nixl_tuned": {role: {k: c.info.get(k) for k in ("workers", "backing", "page_size", "huge_bytes")}
+                           for role, c in zip(("initiator", "target"), bench.raw.get("nixl_tuned", ()), strict=False)},
         "targets": target_table(ratios),
         "unavailable": bench.unavailable,
         "verification": bench.verification,

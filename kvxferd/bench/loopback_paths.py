@@ -160,17 +160,36 @@ class LoopbackBench(LoopbackRig):
         meter.start()
         res = ini.call("run", spec, timeout=spec.timeout_s + 60)
         cpu = meter.stop()
-        tgt.send("end", res["chunks"] if backend == "nixl" else 0)
+        tgt.send("end", res["chunks"] if backend.startswith("nixl") else 0)
         notes = tgt.recv(60)
         chk = tgt.call("check", spec, res["last_seq"], timeout=300)
         errors = list(chk["errors"])
-        if backend == "nixl" and notes["notifs"] < res["chunks"]:
+        if backend.startswith("nixl") and notes["notifs"] < res["chunks"]:
             errors.append(f"{notes['notifs']}/{res['chunks']} notifications arrived")
+        return self._raw_out(spec, res, chk, cpu, errors)
+
+    def _raw_out(self, spec: RawSpec, res: dict[str, Any], chk: dict[str, Any], cpu: dict[str, float],
+                 errors: list[str]) -> dict[str, Any]:
         moved = res["moved_per_chunk"] * spec.chunks_per_room
         out = summarize(res["admit"], res["done"], [moved] * spec.rooms, spec.in_flight)
         out.update({"cpu_s": _cpu_groups(cpu), "stamps_checked": chk["stamps_checked"],
                     "bytes_checked": chk["bytes_checked"], "errors": errors[:10], "ok": not errors})
         return out
+
+    def copy_run(self, spec: RawSpec) -> dict[str, Any]:
+        """The memcpy ceiling: the tuned initiator's threads copy the chunks between two of its pools."""
+        ini, _ = self.raw["nixl_tuned"]
+        meter = self._meter(["nixl_tuned_initiator"])
+        meter.start()
+        res = ini.call("copy", spec, timeout=spec.timeout_s + 60)
+        cpu = meter.stop()
+        chk = ini.call("copy_check", spec, res["last_seq"], timeout=300)
+        return self._raw_out(spec, res, chk, cpu, list(chk["errors"]))
+
+    def copy_point(self, chunk_tokens: int, in_flight: int, repeat: int = 0) -> dict[str, Any]:
+        rooms = self._rooms_for(in_flight, self.s.point_bytes, self.s.room_bytes)
+        out = self.copy_run(self.raw_spec("memcpy", chunk_tokens, in_flight, rooms, False))
+        return self._record("memcpy", chunk_tokens, in_flight, out, threads=self.workers, repeat=repeat)
 
     def raw_point(self, backend: str, chunk_tokens: int, in_flight: int, path: str,
                   per_token: tuple[int, int] | None = None, budget: int | None = None, repeat: int = 0) -> dict[str, Any]:
@@ -187,6 +206,8 @@ class LoopbackBench(LoopbackRig):
         spec = self.raw_spec(path, chunk_tokens, in_flight, rooms, False, per_token)
         out = self.raw_run(backend, spec)
         extra: dict[str, Any] = {"repeat": repeat}
+        if backend == "nixl_tuned":
+            extra["threads"] = self.workers
         if per_token is not None:
             rp = raw_plan(spec)
             extra = {"tp": f"{per_token[0]}->{per_token[1]}", "descriptors_per_chunk": len(rp.stamp_src),
@@ -206,6 +227,13 @@ class LoopbackBench(LoopbackRig):
         status("verify every byte: raw NIXL")
         out = self.raw_run("nixl", self.raw_spec("verify", s.headline_chunk, 2, 3, True))
         self._verified("raw_nixl", out)
+        status(f"verify every byte: raw NIXL, tuned ({self.workers} threads), and memcpy")
+        # More rooms than threads: every posting thread moves some.
+        rooms = max(3, self.workers)
+        out = self.raw_run("nixl_tuned", self.raw_spec("verify", s.headline_chunk, self.workers, rooms, True))
+        self._verified("raw_nixl_tuned", out)
+        out = self.copy_run(self.raw_spec("verify", s.headline_chunk, self.workers, rooms, True))
+        self._verified("memcpy", out)
         for ptp, dtp in s.mixed_tp:
             status(f"verify every byte: per-token TP {ptp}→{dtp}")
             out = self.raw_run("nixl", self.raw_spec("verify", s.headline_chunk, 2, 2, True, (ptp, dtp)))
@@ -232,11 +260,13 @@ class LoopbackBench(LoopbackRig):
             n = max(math.ceil(1.5 * s.ring_bytes / s.room_bytes), 4)
             self.kvx_run(g, self._plans(n, tuple(iter_chunks(s.room_tokens, max(s.chunk_tokens)))),
                          s.headline_concurrency, "stamp")
+        spec = self.raw_spec("warm-up", s.headline_chunk, s.headline_concurrency,
+                             max(2, math.ceil(s.ring_bytes / s.room_bytes)), False)
         for backend in self.raw:
             status(f"warm-up: {backend}")
-            spec = self.raw_spec("warm-up", s.headline_chunk, s.headline_concurrency,
-                                 max(2, math.ceil(s.ring_bytes / s.room_bytes)), False)
             self.raw_run(backend, spec)
+        status("warm-up: memcpy")
+        self.copy_run(spec)
 
 
 def _cpu_groups(cpu: dict[str, float]) -> dict[str, float]:
@@ -275,7 +305,8 @@ def _run_tag(rep: int, reps: int) -> str:
 
 
 def run_sweep(bench: LoopbackBench, progress: Callable[[str, bool], None]) -> None:
-    """Points in a fixed order; each (chunk, in flight) point runs raw NIXL, kvxferd and Mooncake back to back."""
+    """Points in a fixed order; each (chunk, in flight) point runs raw NIXL (one thread, then tuned),
+    the memcpy ceiling (at the headline concurrency), kvxferd and Mooncake back to back."""
     s = bench.s
     same = bench.groups[(1, 1)]
     for chunk in s.chunk_tokens:
@@ -288,6 +319,11 @@ def run_sweep(bench: LoopbackBench, progress: Callable[[str, bool], None]) -> No
                 tag = _run_tag(rep, reps)
                 progress(f"raw NIXL      chunk {chunk} tok, {conc} in flight{tag}", False)
                 bench.raw_point("nixl", chunk, conc, "raw_nixl", repeat=rep)
+                progress(f"raw NIXL, {bench.workers} thr chunk {chunk} tok, {conc} in flight{tag}", False)
+                bench.raw_point("nixl_tuned", chunk, conc, "raw_nixl_tuned", repeat=rep)
+                if conc == s.headline_concurrency:
+                    progress(f"memcpy, {bench.workers} thr  chunk {chunk} tok, {conc} in flight{tag}", False)
+                    bench.copy_point(chunk, conc, repeat=rep)
                 progress(f"kvxferd       chunk {chunk} tok, {conc} in flight{tag}", False)
                 bench.kvx_point(same, chunk, conc, profile=bool(bench.profile_dir) and headline and rep == 0,
                                 repeat=rep)

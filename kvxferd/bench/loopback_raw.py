@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -79,7 +80,7 @@ def raw_plan(spec: RawSpec) -> RawPlan:
 _RAW_SEED = 0x5EED
 
 
-class _NixlSide:
+class NixlSide:
     def __init__(self, name: str, nbytes: int, fill: bool) -> None:
         from kvxferd.bench.raw_nixl import _make_agent
 
@@ -170,15 +171,20 @@ def _touched_buffer(nbytes: int, fill: bool) -> np.ndarray:
     if not fill:
         buf.fill(0)
         return buf
-    words = buf[: nbytes // 8 * 8].view(np.uint64)
+    fill_pattern(buf)
+    return buf
+
+
+def fill_pattern(buf: np.ndarray) -> None:
+    """The initiator's source: the pattern every target check expects."""
+    words = buf[: len(buf) // 8 * 8].view(np.uint64)
     step = 1 << 23
     for i in range(0, len(words), step):
         n = min(step, len(words) - i)
         words[i:i + n] = pattern_words(_RAW_SEED, i, n)
-    return buf
 
 
-_Side = _NixlSide | _MooncakeSide
+_Side = NixlSide | _MooncakeSide
 
 
 def _make_side(backend: str, name: str, nbytes: int, fill: bool) -> _Side:
@@ -188,76 +194,122 @@ def _make_side(backend: str, name: str, nbytes: int, fill: bool) -> _Side:
     from kvxferd.transport_nixl import apply_ucx_env_defaults
 
     apply_ucx_env_defaults()  # the UCX environment the daemons run with
-    return _NixlSide(name, nbytes, fill)
+    return NixlSide(name, nbytes, fill)
+
+
+class ClosedLoop:
+    """The closed loop of a RawSpec, shared by the posting threads (one for the one-thread pair): rooms
+    admitted N at a time, each room's chunks into free slot pairs (FIFO), a finished room admits the next."""
+
+    def __init__(self, spec: RawSpec, buf: np.ndarray, rp: RawPlan) -> None:
+        self.spec = spec
+        self.rp = rp
+        self.words = buf[: len(buf) // 8 * 8].view(np.uint64)
+        self.lock = threading.Lock()
+        self.free = deque(range(spec.slots))
+        self.queue: deque[int] = deque()
+        self.last_seq = [0] * spec.slots
+        self.admit = [0.0] * spec.rooms
+        self.done = [0.0] * spec.rooms
+        self.left = [spec.chunks_per_room] * spec.rooms
+        self.next_room = self.open_rooms = self.finished = self.seq = 0
+        self.error = ""
+
+    def take(self, most: int) -> list[tuple[int, int, int]]:
+        """Up to `most` (room, slot, seq) to post now, their stamps written into the source slots."""
+        s = self.spec
+        out: list[tuple[int, int, int]] = []
+        with self.lock:
+            while self.next_room < s.rooms and self.open_rooms < s.in_flight:
+                self.admit[self.next_room] = time.monotonic()
+                self.queue.extend([self.next_room] * s.chunks_per_room)
+                self.next_room += 1
+                self.open_rooms += 1
+            while len(out) < most and self.queue and self.free:
+                room, slot = self.queue.popleft(), self.free.popleft()
+                self.seq += 1
+                self.words[slot * (s.src_slot // 8) + self.rp.stamp_src] = self.seq
+                self.last_seq[slot] = self.seq
+                out.append((room, slot, self.seq))
+        return out
+
+    def finish(self, room: int, slot: int) -> None:
+        with self.lock:
+            self.free.append(slot)
+            self.left[room] -= 1
+            if self.left[room] == 0:
+                self.done[room] = time.monotonic()
+                self.finished += 1
+                self.open_rooms -= 1
+
+    @property
+    def over(self) -> bool:
+        return bool(self.error) or self.finished >= self.spec.rooms
+
+    def result(self) -> dict[str, Any]:
+        """The run's times (raises what a posting thread met); the source's pattern put back."""
+        if self.error:
+            raise RuntimeError(self.error)
+        restore_pattern(self.words, self.spec, self.rp, self.last_seq)
+        return {"admit": self.admit, "done": self.done, "last_seq": self.last_seq, "chunks": self.seq,
+                "moved_per_chunk": self.rp.moved}
+
+
+def post_loop(side: Any, loop: ClosedLoop, most: int, deadline: float) -> None:
+    """One posting thread: keeps up to `most` WRITEs in flight, polls them, backs off when idle;
+    an error stops every thread of the loop and is raised by ClosedLoop.result."""
+    spec, rp = loop.spec, loop.rp
+    active: list[tuple[Any, int, int]] = []
+    backoff = 2e-5
+    try:
+        while not loop.over:
+            for room, slot, seq in loop.take(most - len(active)):
+                h = side.post(slot * spec.src_slot, slot * spec.dst_slot, rp.moved, rp.descs, b"raw %d" % seq)
+                active.append((h, room, slot))
+            progressed = False
+            still = []
+            for h, room, slot in active:
+                st = side.check(h)
+                if st == 0:
+                    still.append((h, room, slot))
+                    continue
+                if st < 0:
+                    raise RuntimeError(f"transfer of room {room} (slot {slot}) ended in error")
+                side.release(h)
+                loop.finish(room, slot)
+                progressed = True
+            active = still
+            if progressed:
+                backoff = 2e-5
+                continue
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{spec.tag}: {spec.rooms - loop.finished} rooms unfinished")
+            time.sleep(backoff)
+            backoff = min(backoff * 2, 5e-4)
+    except Exception:
+        loop.error = loop.error or traceback.format_exc()
 
 
 def _raw_run(side: _Side, spec: RawSpec) -> dict[str, Any]:
-    """The initiator's loop: admit rooms, post chunks into free slot pairs, poll completions."""
-    rp = raw_plan(spec)
-    words = side.buf[: len(side.buf) // 8 * 8].view(np.uint64)
-    free = deque(range(spec.slots))
-    last_seq = [0] * spec.slots
-    admit = [0.0] * spec.rooms
-    done = [0.0] * spec.rooms
-    left = [spec.chunks_per_room] * spec.rooms
-    queue: deque[int] = deque()
-    active: list[tuple[Any, int, int]] = []
-    next_room = open_rooms = finished = seq = 0
-    deadline = time.monotonic() + spec.timeout_s
-    backoff = 2e-5
-    src_words = spec.src_slot // 8
-    while finished < spec.rooms:
-        while next_room < spec.rooms and open_rooms < spec.in_flight:
-            admit[next_room] = time.monotonic()
-            queue.extend([next_room] * spec.chunks_per_room)
-            next_room += 1
-            open_rooms += 1
-        while queue and free:
-            room = queue.popleft()
-            slot = free.popleft()
-            seq += 1
-            words[slot * src_words + rp.stamp_src] = seq
-            h = side.post(slot * spec.src_slot, slot * spec.dst_slot, rp.moved, rp.descs, b"raw %d" % seq)
-            last_seq[slot] = seq
-            active.append((h, room, slot))
-        progressed = False
-        still = []
-        for h, room, slot in active:
-            st = side.check(h)
-            if st == 0:
-                still.append((h, room, slot))
-                continue
-            if st < 0:
-                raise RuntimeError(f"transfer of room {room} (slot {slot}) ended in error")
-            side.release(h)
-            free.append(slot)
-            progressed = True
-            left[room] -= 1
-            if left[room] == 0:
-                done[room] = time.monotonic()
-                finished += 1
-                open_rooms -= 1
-        active = still
-        if progressed or not active:
-            backoff = 2e-5
-        else:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{spec.tag}: {spec.rooms - finished} rooms unfinished")
-            time.sleep(backoff)
-            backoff = min(backoff * 2, 5e-4)
-    # Put the pattern back under this run's stamps: the next run's full check expects a pristine source.
+    """The one-thread initiator: admit rooms, post chunks into free slot pairs, poll completions."""
+    loop = ClosedLoop(spec, side.buf, raw_plan(spec))
+    post_loop(side, loop, spec.slots, time.monotonic() + spec.timeout_s)
+    return loop.result()
+
+
+def restore_pattern(words: np.ndarray, spec: RawSpec, rp: RawPlan, last_seq: Sequence[int]) -> None:
+    """Puts the pattern back under a run's stamps: the next run's full check expects a pristine source."""
     used = np.asarray([i for i, q in enumerate(last_seq) if q], dtype=np.int64)
     if len(used):
-        idx = (used[:, None] * src_words + rp.stamp_src[None, :]).ravel()
+        idx = (used[:, None] * (spec.src_slot // 8) + rp.stamp_src[None, :]).ravel()
         words[idx] = pattern_at(_RAW_SEED, idx)
-    return {"admit": admit, "done": done, "last_seq": last_seq, "chunks": seq, "moved_per_chunk": rp.moved}
 
 
-def _raw_check(side: _Side, spec: RawSpec, last_seq: Sequence[int]) -> dict[str, Any]:
+def raw_check(buf: np.ndarray, spec: RawSpec, last_seq: Sequence[int]) -> dict[str, Any]:
     """Target side: every slot holds the stamps of the last chunk written into it (and, in
     full mode, every byte the descriptors cover equals the source's)."""
     rp = raw_plan(spec)
-    words = side.buf[: len(side.buf) // 8 * 8].view(np.uint64)
+    words = buf[: len(buf) // 8 * 8].view(np.uint64)
     errors: list[str] = []
     stamps = 0
     checked = 0
@@ -276,7 +328,7 @@ def _raw_check(side: _Side, spec: RawSpec, last_seq: Sequence[int]) -> dict[str,
         src = pattern_words(_RAW_SEED, slot * src_words, src_words)
         src[rp.stamp_src] = seq
         src_b = src.view(np.uint8)
-        dst_b = side.buf[slot * spec.dst_slot:(slot + 1) * spec.dst_slot]
+        dst_b = buf[slot * spec.dst_slot:(slot + 1) * spec.dst_slot]
         if spec.desc == "chunk":
             ok = np.array_equal(dst_b[: spec.chunk_bytes], src_b[: spec.chunk_bytes])
             checked += spec.chunk_bytes
@@ -300,9 +352,18 @@ def _raw_check(side: _Side, spec: RawSpec, last_seq: Sequence[int]) -> dict[str,
 
 
 def raw_entry(conn: Connection, backend: str, role: str, nbytes: int, log_path: str) -> None:
+    serve_side(conn, log_path, lambda: _make_side(backend, f"bench-raw-{role}-{os.getpid()}", nbytes,
+                                                  fill=role == "initiator"),
+               {"run": lambda side, msg: _raw_run(side, msg[1])})
+
+
+def serve_side(conn: Connection, log_path: str, make: Callable[[], Any],
+               commands: dict[str, Callable[[Any, tuple[Any, ...]], Any]]) -> None:
+    """A raw pair's process: makes its side, then serves connect, begin, check and `commands`
+    until told to stop (the side's close(), if it has one, runs then)."""
     redirect_output(log_path)
     try:
-        side = _make_side(backend, f"bench-raw-{role}-{os.getpid()}", nbytes, fill=role == "initiator")
+        side = make()
     except Exception:
         conn.send(("error", traceback.format_exc()))
         return
@@ -313,18 +374,18 @@ def raw_entry(conn: Connection, backend: str, role: str, nbytes: int, log_path: 
         if kind == "connect":
             side.connect(msg[1])
             return None
-        if kind == "run":
-            return _raw_run(side, msg[1])
         if kind == "begin":
-            return _count_notifs(side, conn)
+            return count_notifs(side, conn)
         if kind == "check":
-            return _raw_check(side, msg[1], msg[2])
+            return raw_check(side.buf, msg[1], msg[2])
+        if kind in commands:
+            return commands[kind](side, msg)
         raise ValueError(f"unknown command {kind!r}")
 
-    child_loop(conn, handle, lambda: None)
+    child_loop(conn, handle, getattr(side, "close", lambda: None))
 
 
-def _count_notifs(side: _Side, conn: Connection) -> dict[str, Any]:
+def count_notifs(side: _Side, conn: Connection) -> dict[str, Any]:
     """Target during a run: progress the NIXL agent (notifications) until told how many to expect."""
     count = 0
     expected = -1

@@ -23,6 +23,8 @@ from kvxferd.bench.loopback_engines import engine_entry
 from kvxferd.bench.loopback_procs import Child
 from kvxferd.bench.loopback_raw import raw_entry
 from kvxferd.bench.loopback_spec import RunSpec, Settings, tp_path
+from kvxferd.bench.loopback_tuned import tuned_entry
+from kvxferd.config import Config
 
 
 @dataclass
@@ -60,6 +62,8 @@ class LoopbackRig:
         self.unavailable: dict[str, str] = {}
         self.failures: list[str] = []
         self.profiles: dict[str, Any] = {}
+        # The daemons' transfer threads (UCX workers), and the tuned raw pair's: the same number.
+        self.workers = settings.workers or Config().transfer_workers
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -73,10 +77,18 @@ class LoopbackRig:
         pool = sum(self._ranks_ring(p) * p for p, _ in tps) + (64 << 20)
         dpool = sum(self._ranks_ring(d) * d for _, d in tps) + (64 << 20)
         status("starting daemons, raw NIXL and Mooncake pairs")
-        self.daemons["prefill"] = start_daemon(self.workdir, "prefill", pool)
-        self.daemons["decode"] = start_daemon(self.workdir, "decode", dpool)
+        # --workers: both daemons and the tuned pair; else each daemon resolves its default as this did.
+        conf = {"workers": s.workers} if s.workers else None
+        self.daemons["prefill"] = start_daemon(self.workdir, "prefill", pool, conf)
+        self.daemons["decode"] = start_daemon(self.workdir, "decode", dpool, conf)
         win = s.ring_bytes
         self._start_raw("nixl", win)
+        self.raw["nixl_tuned"] = (
+            Child(self.ctx, "nixl_tuned-initiator", tuned_entry,
+                  ("initiator", win, self.workers, str(self.workdir / "nixl_tuned-initiator.log"))),
+            Child(self.ctx, "nixl_tuned-target", tuned_entry,
+                  ("target", win, self.workers, str(self.workdir / "nixl_tuned-target.log"))),
+        )
         if self.want_mooncake:
             try:
                 if importlib.util.find_spec("mooncake.engine") is None:
@@ -104,7 +116,7 @@ class LoopbackRig:
                 ini.info = ini.recv(120)
                 ini.call("connect", tgt.info, timeout=60)
             except Exception as exc:
-                if name == "nixl":
+                if name != "mooncake":
                     raise
                 self.unavailable["mooncake_tcp"] = f"Mooncake pair did not start: {str(exc).strip()[-600:]}"
                 ini.stop()

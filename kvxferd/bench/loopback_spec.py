@@ -63,6 +63,9 @@ class Settings:
     timeout_s: float = 240.0
     quick: bool = False
     enqueue_wait: bool = False  # prefill engines wait for each EnqueueChunk's verdict
+    # Transfer threads of both daemons and posting threads / UCX workers of the tuned raw pair;
+    # 0: the daemon's default for this machine (Config.transfer_workers).
+    workers: int = 0
 
     @property
     def room_bytes(self) -> int:

@@ -26,12 +26,19 @@ def test_loopback_quick_every_path_measured_and_checked(tmp_path: Path) -> None:
     assert rc == 0, result["failures"]
     ratios = result["ratios"]
     assert ratios["bytes_verified"] is True
-    for key in ("kvxferd_over_raw_nixl", "p99_over_p50_at_64", "mixed_tp_over_same_tp", "per_token_slowdown"):
+    for key in ("kvxferd_over_raw_nixl", "kvxferd_over_raw_nixl_1thread", "raw_nixl_tuned_over_memcpy",
+                "p99_over_p50_at_64", "mixed_tp_over_same_tp", "per_token_slowdown"):
         assert _positive(ratios[key]), (key, ratios[key])
+    # The tuned pair and the memcpy ceiling ran with the daemons' transfer workers, on pools like theirs.
+    workers = result["settings"]["transfer_workers"]
+    assert workers >= 2
+    tuned = [p for p in result["points"] if p["path"] in ("raw_nixl_tuned", "memcpy")]
+    assert {p["path"] for p in tuned} == {"raw_nixl_tuned", "memcpy"} and all(p["threads"] == workers for p in tuned)
     # CPU is read in clock ticks (10 ms): a quick point may show none on one side, and then no ratio.
     cpu = ratios["cpu_s_per_gb"]
-    assert set(cpu) == {"raw_nixl", "kvxferd"} and all(v is not None and v >= 0 for v in cpu.values()), cpu
-    assert (ratios["kvxferd_cpu_over_raw_nixl"] is None) == (not (cpu["raw_nixl"] and cpu["kvxferd"])), ratios
+    assert set(cpu) == {"raw_nixl", "raw_nixl_tuned", "memcpy", "kvxferd"}, cpu
+    assert all(v is not None and v >= 0 for v in cpu.values()), cpu
+    assert (ratios["kvxferd_cpu_over_raw_nixl"] is None) == (not (cpu["raw_nixl_tuned"] and cpu["kvxferd"])), ratios
     kvx = [p for p in result["points"] if p["path"] == "kvxferd"]
     # CPU per thread name of both daemons (which part of a daemon spent it).
     assert kvx and all(sum(p["cpu_s_by_thread"]["daemon_prefill"].values()) > 0 for p in kvx)
@@ -40,14 +47,15 @@ def test_loopback_quick_every_path_measured_and_checked(tmp_path: Path) -> None:
     else:
         assert _positive(ratios["kvxferd_over_mooncake"])
     paths = {p["path"] for p in result["points"]}
-    assert {"raw_nixl", "kvxferd", "blocking", "kvxferd_tp4to2", "kvxferd_tp1to4",
+    assert {"raw_nixl", "raw_nixl_tuned", "memcpy", "kvxferd", "blocking", "kvxferd_tp4to2", "kvxferd_tp1to4",
             "per_token_tp4to2", "per_token_tp1to4"} <= paths
     for p in result["points"]:
         assert p["ok"], p["errors"]
         assert _positive(p["throughput_gbps"]) and _positive(p["latency_ms"]["p50"])
         assert p["stamps_checked"] > 0, p["path"]
     verified = {v["path"] for v in result["verification"]}
-    assert {"kvxferd", "kvxferd_tp4to2", "kvxferd_tp1to4", "raw_nixl", "per_token_tp4to2"} <= verified
+    assert {"kvxferd", "kvxferd_tp4to2", "kvxferd_tp1to4", "raw_nixl", "raw_nixl_tuned", "memcpy",
+            "per_token_tp4to2"} <= verified
     assert all(v["ok"] and v["bytes_checked"] > 0 for v in result["verification"])
     assert result["machine"]["cores"] >= 1 and result["machine"]["versions"]["nixl"]
     assert png.stat().st_size > 0 and (tmp_path / "loopback-cdf.png").stat().st_size > 0
