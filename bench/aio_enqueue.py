@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvxfer_client import AsyncPrefillSender, Layout, PrefillSender  # noqa: E402
-from kvxferd.bench._common import start_daemon  # noqa: E402
+from kvxferd.bench._common import start_daemon, write_json  # noqa: E402
 
 LAYOUT = Layout(num_layers=2, total_kv_heads=2, head_dim=32, dtype_bytes=2, page_size=16, dtype="bfloat16")
 CHUNKS_PER_ROOM = 50  # rooms_per_engine caps parked rooms; 50 chunks a room stays far below it
@@ -108,8 +108,7 @@ async def main() -> None:
         d.proc.terminate()
         d.proc.wait(10)
     if args.json:
-        record = {"machine": f"{platform.node()} ({os.cpu_count()} cpus)", "runs": runs}
-        args.json.write_text(json.dumps(record, indent=1) + "\n")
+        write_json(args.json, {"host": f"{platform.node()} ({os.cpu_count()} cpus)", "runs": runs})
 
 
 if __name__ == "__main__":

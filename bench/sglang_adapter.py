@@ -12,9 +12,6 @@ Control overhead is what it measures: the layout is tiny, so bytes cost next to 
 from __future__ import annotations
 
 import argparse
-import json
-import multiprocessing as mp
-import platform
 import sys
 import tempfile
 import time
@@ -24,7 +21,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvxferd.bench._common import proc_cpu_seconds  # noqa: E402
+from kvxferd.bench._common import proc_cpu_seconds, write_json  # noqa: E402
 from tests.conftest import spawn_daemon  # noqa: E402
 from tests.engines import sglang_ranks as sr  # noqa: E402
 
@@ -83,9 +80,7 @@ def main() -> int:
               f"({r['rooms_per_s']:.0f} rooms/s); backend poll() {polls}, PollRoom {dpolls}; "
               f"daemon CPU {r['daemon_cpu_s']}")
     if args.json:
-        machine = {"cpus": mp.cpu_count(), "python": platform.python_version()}
-        Path(args.json).write_text(json.dumps({"bench": "sglang_adapter", "machine": machine, "results": results},
-                                              indent=1) + "\n")
+        write_json(args.json, {"bench": "sglang_adapter", "results": results})  # with commit, machine, command
     return 0
 
 

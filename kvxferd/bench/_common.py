@@ -12,6 +12,7 @@ import math
 import os
 import platform
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -307,7 +308,33 @@ def remove_tree(path: Path, keep: bool) -> None:
 # --------------------------------------------------------------------------- output
 
 
+REPO = Path(__file__).resolve().parents[2]
+
+
+def git_commit() -> str:
+    """The commit the bench ran from (``-dirty`` with uncommitted changes in tracked files)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    if head.returncode != 0:
+        return "unknown"
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def provenance() -> dict[str, Any]:
+    """What every result file must say it came from: a number without its commit, machine and
+    command cannot be compared with the next one (bench/results/INDEX.md lists them)."""
+    argv = [Path(sys.argv[0]).name if sys.argv and sys.argv[0].endswith("kvxferd") else sys.argv[0], *sys.argv[1:]]
+    return {"commit": git_commit(), "machine": machine_info(), "command": shlex.join(argv)}
+
+
 def write_json(path: str | os.PathLike[str], data: Any) -> None:
+    """`data` as strict JSON at `path`; a result dict gets commit, machine and command if it has none."""
+    if isinstance(data, dict):
+        data = {**{k: v for k, v in provenance().items() if k not in data}, **data}
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_suffix(p.suffix + ".tmp")

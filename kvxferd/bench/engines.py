@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shlex
-import subprocess
 import sys
 import time
 import traceback
@@ -38,7 +37,16 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from kvxferd.bench._common import Daemon, machine_info, remove_tree, rounded, short_tmpdir, start_daemon, write_json
+from kvxferd.bench._common import (
+    Daemon,
+    git_commit,
+    machine_info,
+    remove_tree,
+    rounded,
+    short_tmpdir,
+    start_daemon,
+    write_json,
+)
 from kvxferd.bench.engines_load import Outcome, run_point
 from kvxferd.bench.engines_model import ModelSpec, Request, build_model, request_mix
 from kvxferd.bench.engines_profile import Profiler
@@ -93,19 +101,6 @@ def _version(dist: str) -> str | None:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
         return None
-
-
-def git_commit() -> str:
-    """The commit the bench ran from (``-dirty`` with uncommitted changes in tracked files)."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    if head.returncode != 0:
-        return "unknown"
-    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
 class EnginesBench:

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from kvxferd.bench._common import write_json
 from kvxferd.kernels import KVPages, TileConfig, slot_nbytes
 
 logger = logging.getLogger(__name__)
@@ -459,8 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         device=device,
         budget_s=args.budget_s,
     )
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.json, result)  # with commit, machine and command
     _print(result)
     return 0
 
