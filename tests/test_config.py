@@ -107,7 +107,7 @@ def test_a_socket_directory_of_another_user_or_open_to_all_is_refused(short_tmp:
 def test_workers_auto_follows_the_cpus_this_process_may_use(short_tmp: Path) -> None:
     cfg = load_config(None, env={}, overrides={"socket": str(short_tmp / "a.sock")})
     assert cfg.workers == 0
-    assert cfg.transfer_workers == min(8, max(2, usable_cpus() // 4))
+    assert cfg.transfer_workers == min(8, max(2, usable_cpus() // 2))
     assert 2 <= cfg.transfer_workers <= 8
 
 
