@@ -57,9 +57,16 @@ def engine_env() -> None:
 
 
 def engine_main(role: str, model: str, socket: str, block_size: int, max_batched: int, cmds: Any, out: Any,
-                extra: dict[str, Any] | None = None) -> None:
+                extra: dict[str, Any] | None = None, log: str = "") -> None:
     """One vLLM engine; runs ("generate", prompts, params, max_tokens) commands until None."""
     try:
+        if log:
+            # vLLM logs hundreds of lines per engine start: into the engine's own file, so the
+            # report is what the terminal shows.
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.close(fd)
         engine_env()
         from vllm import LLM, SamplingParams
         from vllm.config import KVTransferConfig
@@ -98,9 +105,11 @@ class Engine:
         self.role = role
         self.cmds: Any = ctx.Queue()
         self.out: Any = ctx.Queue()
+        logs = getattr(args, "engine_logs", None)
+        self.log = str(Path(logs) / f"{role}.log") if logs else ""
         self.proc = ctx.Process(target=engine_main, name=f"vllm-{role}", daemon=True, args=(
             role, model, socket, args.block_size, args.max_batched_tokens, self.cmds, self.out,
-            getattr(args, "extra_config", None)))
+            getattr(args, "extra_config", None), self.log))
         self.proc.start()
 
     def wait(self, kind: str, timeout: float) -> Any:
@@ -115,7 +124,8 @@ class Engine:
                     raise TimeoutError(f"{self.role} engine: no {kind} in {timeout} s") from None
                 continue
             if got[0] == "error":
-                raise RuntimeError(f"{self.role} engine failed:\n{got[2]}")
+                where = f" (its log: {self.log})" if self.log else ""
+                raise RuntimeError(f"{self.role} engine failed{where}:\n{got[2]}")
             if got[0] == kind:
                 return got[2]
 
@@ -136,6 +146,10 @@ class Engine:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts = list(PROMPTS)
     workdir = Path(tempfile.mkdtemp(prefix="kvx-vllm-"))
+    if args.engine_logs is None:
+        args.engine_logs = workdir / "logs"
+    Path(args.engine_logs).mkdir(parents=True, exist_ok=True)
+    print(f"engine logs: {args.engine_logs}/{{reference,prefill,decode}}.log", file=sys.stderr, flush=True)
     model = str(build(workdir / "model"))
     daemons = OwnDaemons()
     ctx = mp.get_context("spawn")  # vLLM and torch threads do not survive a fork
@@ -226,6 +240,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--fault", choices=("none", "kill-prefill-daemon"), default="none")
     ap.add_argument("--kill-after-s", type=float, default=1.0)
     ap.add_argument("--json", type=Path, help="write the report here too")
+    ap.add_argument("--engine-logs", type=Path, help="directory for each engine's log (default: a new temp dir, "
+                                                     "printed at start)")
     return ap.parse_args(argv)
 
 
