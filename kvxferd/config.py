@@ -185,6 +185,9 @@ class Config:
     # dialed): daemons come and go (a pod's new name is a new daemon id), and the table must not
     # fill up with those that left. A new peer at max_peers evicts one down that long already.
     peer_forget_s: float = 600.0
+    # Peers with their own series in peer-labelled metrics (a daemon id is the peer's own word):
+    # later ones share peer="(other)" until one is forgotten, so /metrics stays bounded.
+    max_peer_series: int = 256
     max_pending_handshakes: int = 16
     max_peer_metadata_bytes: int = 1 << 20
     max_peer_batch_msgs: int = PEER_BATCH_MSGS
@@ -298,6 +301,8 @@ class Config:
         if not limit <= self.peer_forget_s <= 7 * 86400:
             raise ConfigError(f"peer_forget_s must be heartbeat_misses x heartbeat_interval_s ({limit:g})"
                               f"..604800, got {self.peer_forget_s}")
+        if not 1 <= self.max_peer_series <= 65536:
+            raise ConfigError(f"max_peer_series must be 1..65536, got {self.max_peer_series}")
         if not 1 <= self.max_pending_handshakes <= 4096:
             raise ConfigError(f"max_pending_handshakes must be 1..4096, got {self.max_pending_handshakes}")
         # A handshake is a gRPC request too: max_message_bytes bounds it whatever this says.

@@ -6,8 +6,12 @@ range out of a window it holds and writes with no request in between. Ranges com
 the decode side says it holds them no longer (the reader consumed the chunk, or the room ended);
 windows come back when idle or when the decode side reclaims or revokes them.
 
-The fence. A credit id is never reused by the granting daemon instance, and a revoked credit's
-space is reused only once nothing can still write into it:
+Credit ids are capabilities: 63 random bits (never 0, unique among the live grants), handed only
+to the holder over its authenticated control stream, so no other peer can name one in a forged
+notification (a counter was: one id of your own told you your neighbours').
+
+The fence. A credit id is not reused by the granting daemon instance (a random id meets an old one
+with odds of 2^-63), and a revoked credit's space is reused only once nothing can still write into it:
 - the prefill side marks it revoked (its workers check that flag right before posting, and a
   WRITE dispatched earlier counts as in flight until it is reported) and returns it only when
   no WRITE into it is in flight: after that, no byte can land there;
@@ -73,10 +77,6 @@ class CreditLedger:
         self._metrics = metrics
         # Gives ring space back (EngineTable.free_slot: also closes a released engine's ring).
         self._free_space = free_space
-        # From a random base, not 1: a peer may still hold (revoked, WRITEs in flight) credits of
-        # our previous process, and a new grant with one of their ids would be taken for it
-        # (CreditWindow.add skips an id it holds, and that space would sit unused until returned).
-        self._next_id = (secrets.randbits(47) << 16) + 1
         self.grants: dict[int, Grant] = {}
         self._waiting: dict[str, deque[tuple[Link, int]]] = {}
 
@@ -115,13 +115,20 @@ class CreditLedger:
         if off is None:
             return False
         length = alloc.slot_length(off) or size
-        g = Grant(self._next_id, peer, peer.instance_id, eng, off, length)
-        self._next_id += 1
+        g = Grant(self._new_id(), peer, peer.instance_id, eng, off, length)
         self.grants[g.id] = g
         peer.send_grant([CreditSpec(g.id, eng.id, g.address, length, eng.ring.mem, eng.ring.device)])
         logger.debug("credit %d: %d B of ring %s granted to %s", g.id, length, eng.id, peer.daemon_id)
         self._metrics.credits.labels(event="granted").inc()
         return True
+
+    def _new_id(self) -> int:
+        """Random, not counted: a peer may still hold (revoked, WRITEs in flight) credits of our
+        previous process, and a guessable id would let one peer name another's credit."""
+        while True:
+            cid = secrets.randbits(63)  # the wire's uint64, and positive in a notification
+            if cid and cid not in self.grants:
+                return cid
 
     def _serve_waiting(self, eng: Engine) -> None:
         q = self._waiting.get(eng.id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -20,6 +21,41 @@ _LATENCY_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )
 _TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# The `peer` label of peers past the cap (config max_peer_series). Parenthesised: not a HOST:PORT.
+OTHER_PEERS = "(other)"
+
+
+class PeerSeries:
+    """Series labelled with a peer's daemon id, a name the peer chose: at most `cap` peers have
+    their own at a time, later ones share peer="(other)" (counted, not lost), and a forgotten
+    peer's series go with it (PeerManager), so ids that come and go cannot grow /metrics for ever."""
+
+    def __init__(self, cap: int = 256) -> None:
+        self.cap = cap
+        # (metric, peer, other label values) -> child: one dict lookup per chunk.
+        self._children: dict[tuple[Any, str, tuple[str, ...]], Any] = {}
+        self._peers: set[str] = set()
+
+    def labels(self, metric: Any, peer: str, *more: str) -> Any:
+        """`metric`'s child for `peer` and the rest of its label values, in the metric's order."""
+        key = (metric, peer, more)
+        got = self._children.get(key)
+        if got is not None:
+            return got
+        if peer != OTHER_PEERS and peer not in self._peers and len(self._peers) >= self.cap:
+            return self.labels(metric, OTHER_PEERS, *more)
+        child = self._children[key] = metric.labels(peer, *more)
+        if peer != OTHER_PEERS:
+            self._peers.add(peer)
+        return child
+
+    def forget(self, peer: str) -> None:
+        if peer == OTHER_PEERS or peer not in self._peers:
+            return
+        self._peers.discard(peer)
+        for key in [k for k in self._children if k[1] == peer]:
+            del self._children[key]
+            key[0].remove(peer, *key[2])
 
 
 class Metrics:
@@ -51,6 +87,7 @@ class Metrics:
         self.transfer_bytes = Counter(
             "kvxferd_transfer_bytes", "Bytes written to peers", ["peer", "path"], registry=r
         )
+        self.peer_series = PeerSeries()
         self.nixl_errors = Counter("kvxferd_nixl_errors", "NIXL transfer errors", ["peer"], registry=r)
         self.peers = Gauge("kvxferd_peers", "Known peer daemons by state", ["state"], registry=r)
         self.engines = Gauge("kvxferd_engines", "Registered engine ranks", ["role"], registry=r)
@@ -71,6 +108,11 @@ class Metrics:
         self.credits = Counter(
             "kvxferd_credits", "Slot credits by event (granted, requested, returned, revoked, freed, "
             "quarantine_expired)", ["event"], registry=r,
+        )
+        self.notifs_dropped = Counter(
+            "kvxferd_notifs_dropped", "NIXL notifications that counted for nothing, by reason (malformed; sender: "
+            "not the room's writer; stale: room unknown or ended; range, credit, held, writer: outside what "
+            "the writer was granted)", ["reason"], registry=r,
         )
         self.page_fences = Counter(
             "kvxferd_page_fences", "Zero-copy decode rooms whose pages were fenced after a failure, by event "

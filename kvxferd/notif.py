@@ -9,9 +9,17 @@ notification then lists them all, separated by ";", and each is checked on its o
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Literal
 
 from kvxferd.domain import ChunkSpec, RoomKey
+from kvxferd.metrics import Metrics
+from kvxferd.ports import Link
+
+logger = logging.getLogger(__name__)
 
 NOTIF_PREFIX = b"kvx2"
 PART_SEP = b";"
@@ -19,6 +27,10 @@ PART_SEP = b";"
 MAX_PARTS = 1024
 # Zero-copy chunks land in the reader's own pages, not in a credit.
 NO_CREDIT = 0
+# Why a notification did not count (kvxferd_notifs_dropped{reason}): a fixed set, never a caller's word.
+DROP_REASONS = ("malformed", "sender", "stale", "range", "credit", "held", "writer")
+# A flood of forged notifications costs one warning line per this many seconds.
+LOG_EVERY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -72,3 +84,61 @@ def decode_notifs(msg: bytes) -> list[Notif] | None:
             return None
         out.append(n)
     return out
+
+
+def sent_by_writer(peer: Link | None, agent: str | None) -> bool:
+    """Whether a notification came from the daemon that writes its room (`agent`: the NIXL agent
+    it came from; None for the hand-off between engines of this daemon, which never crosses NIXL).
+
+    NIXL keys notifications by an agent name the sender states itself (UCX does not vouch for it),
+    so this stops a peer naming others' rooms under its own agent; one that also claims the
+    writer's agent name still lands nothing in credit space: it cannot name the writer's credits
+    (random ids, sent to their holder only). O(1): one comparison per part on the chunk path."""
+    if peer is None:
+        return False
+    if agent is None:
+        return peer.is_self
+    return bool(agent) and not peer.is_self and agent == peer.agent_name
+
+
+def from_writers(notifs: Iterable[tuple[str, bytes]], local: bool,
+                 writer_of: Callable[[RoomKey], Link | Literal[False] | None], drops: NotifDrops) -> Iterator[Notif]:
+    """Each part, of each (sending agent, message), that the writer of its room sent; the rest are
+    counted and dropped. Checked before anything else (the early queue too). `writer_of`: the
+    daemon a room bootstrapped with (None: none yet), False for a room unknown or ended."""
+    for agent, msg in notifs:
+        parts = decode_notifs(msg)
+        if parts is None:
+            drops.drop("malformed", None, f"from agent {agent[:100]!r}: {msg[:64]!r}")
+            continue
+        for n in parts:
+            peer = writer_of(n.room)
+            if peer is False:
+                drops.drop("stale", n.room, "room unknown or ended", quiet=True)
+            elif not sent_by_writer(peer, None if local else agent):
+                drops.drop("sender", n.room, f"agent {agent[:100]!r} does not write this room")
+            else:
+                yield n
+
+
+class NotifDrops:
+    """Counts notifications that changed nothing, by reason, and logs them rate-limited."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._count = {r: metrics.notifs_dropped.labels(reason=r) for r in DROP_REASONS}
+        self._log_at = 0.0
+        self._unlogged = 0
+
+    def drop(self, reason: str, room: RoomKey | None, detail: str, quiet: bool = False) -> None:
+        """`quiet`: an expected straggler (a WRITE's notification after its room ended): debug only."""
+        self._count[reason].inc()
+        if quiet:
+            logger.debug("room %s: notification dropped (%s): %s", room, reason, detail)
+            return
+        now = time.monotonic()
+        if now < self._log_at:
+            self._unlogged += 1
+            return
+        more = f" ({self._unlogged} more dropped since the last line)" if self._unlogged else ""
+        logger.warning("room %s: notification dropped (%s): %s%s", room or "?", reason, detail[:300], more)
+        self._log_at, self._unlogged = now + LOG_EVERY_S, 0

@@ -157,7 +157,7 @@ class PairHealth:
                 self._spawn(self._workers.run_blocking(self._transport.remove_remote, loaded), "remove remote")
                 return
             h.agent_name, h.broken, h.rebuilt_at = loaded, "", time.monotonic()
-            self._metrics.peer_reconnects.labels(peer=h.daemon_id).inc()
+            self._metrics.peer_series.labels(self._metrics.peer_reconnects, h.daemon_id).inc()
             logger.info("peer %s (%s): NIXL connection rebuilt after %d tr%s; the pair is up again", h.daemon_id,
                         h.address, tries, "y" if tries == 1 else "ies")
             self._refresh()

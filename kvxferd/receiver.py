@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
-from typing import Any
+from typing import Any, Literal
 
 from kvxferd.config import Config, _valid_hostport
 from kvxferd.credits import CreditLedger
@@ -24,7 +24,7 @@ from kvxferd.layout import part_bytes, plan
 from kvxferd.limits import MAX_ADDRESS, MAX_GROUP, ROOMS_PER_ENGINE, check_len
 from kvxferd.memory import Watermark
 from kvxferd.metrics import Metrics
-from kvxferd.notif import NO_CREDIT, Notif, decode_notifs
+from kvxferd.notif import NO_CREDIT, Notif, NotifDrops, from_writers
 from kvxferd.ports import BootstrapAnswer, BootstrapMsg, Link
 from kvxferd.registry import NoRegistry, Registry
 from kvxferd.rooms import InSlot, ReaderState, RecvRoom, RoomBase, abort_unseen
@@ -52,6 +52,7 @@ class RecvSide:
         self._spawn = spawn
         self.rooms: dict[int, RecvRoom] = {}
         self.fence = PageFence(hub, ledger.quarantine_s, metrics)
+        self.drops = NotifDrops(metrics)
         # Rooms not finished yet: read by the notification poller thread to choose its pace.
         self.unfinished = 0
         self.connect: Callable[[str], Awaitable[Link]]  # set by the node: a peer with a live session
@@ -266,23 +267,23 @@ class RecvSide:
             raise NotFound(f"room {key} is not expected on this daemon")
         return room
 
-    def on_notifs(self, notifs: Iterable[tuple[str, bytes]]) -> None:
-        for agent, msg in notifs:
-            parts = decode_notifs(msg)
-            if parts is None:
-                logger.warning("dropping malformed notification from %s: %r", agent, msg[:64])
-                continue
-            for n in parts:
-                self.landed(n)
+    def on_notifs(self, notifs: Iterable[tuple[str, bytes]], local: bool = False) -> None:
+        """From NIXL, each with the agent that sent it (`local`: the hand-off between our engines);
+        landed() takes those the room's writer sent."""
+        for n in from_writers(notifs, local, self._writer_of, self.drops):
+            self.landed(n)
+
+    def _writer_of(self, key: RoomKey) -> Link | Literal[False] | None:
+        room = self.rooms.get(key.id)
+        return False if room is None or room.key != key or room.finished else room.peer
 
     def local_notif(self, msg: bytes) -> None:
-        self.on_notifs([("", msg)])
+        self.on_notifs([("", msg)], local=True)
 
     def landed(self, n: Notif) -> None:
         key, chunk_id, writer, reader = n.room, n.chunk_id, n.writer, n.reader
         room = self.rooms.get(key.id)
         if room is None or room.key.generation != key.generation or room.finished:
-            logger.debug("room %s: notification for an old, unknown or finished room dropped", key)
             return
         rs = room.readers.get(reader)
         if room.plan is None and rs is not None:
@@ -293,11 +294,14 @@ class RecvSide:
             return
         if (rs is None or room.plan is None or room.layout is None or room.num_tokens is None or n.num_tokens < 1
                 or n.token_start + n.num_tokens > room.num_tokens or not 0 <= chunk_id < MAX_CHUNK_ID):
-            logger.warning("room %s: notification out of range: %s", key, n)
+            self.drops.drop("range", key, f"out of range: {n}")
             return
         slot = rs.slots.get(chunk_id)
+        expected = slot.expected_writers if slot is not None else frozenset(s.writer for s in room.plan if s.reader == reader)
+        if writer not in expected:  # (before a new slot takes a range)
+            self.drops.drop("writer", key, f"unexpected writer {writer} for chunk {chunk_id} reader {reader}")
+            return
         if slot is None:
-            expected = frozenset(s.writer for s in room.plan if s.reader == reader)
             if rs.engine.spec.zero_copy:
                 # Zero-copy: the chunk lands in the reader's own pages.
                 slot = InSlot(-1, 0, n.token_start, n.num_tokens, n.last, 0, expected)
@@ -305,9 +309,8 @@ class RecvSide:
                 nbytes = part_bytes(room.layout, room.decode_tp, reader, n.num_tokens)
                 g = None if n.credit_id == NO_CREDIT or room.peer is None else self.ledger.valid(
                     n.credit_id, room.peer, rs.engine, n.offset, nbytes)
-                if g is None:
-                    logger.warning("room %s: chunk %d written outside a valid credit (%d+%d); not landed",
-                                   key, chunk_id, n.credit_id, n.offset)
+                if g is None or n.offset in g.live:  # (live: another chunk holds that range)
+                    self.drops.drop("credit" if g is None else "held", key, f"chunk {chunk_id} at offset {n.offset}")
                     return
                 slot = InSlot(g.offset + n.offset, nbytes, n.token_start, n.num_tokens, n.last, nbytes, expected,
                               credit_id=n.credit_id, credit_offset=n.offset)
@@ -316,9 +319,6 @@ class RecvSide:
         elif ((slot.token_start, slot.num_tokens) != (n.token_start, n.num_tokens)
               or (slot.credit_id, slot.credit_offset) != (n.credit_id, n.offset)):
             self.fail(room, FailureCode.MISMATCH, f"writers of chunk {chunk_id} disagree on its tokens or slot")
-            return
-        if writer not in slot.expected_writers:
-            logger.warning("room %s: unexpected writer %d for chunk %d reader %d", key, writer, chunk_id, reader)
             return
         slot.landed_writers.add(writer)
         if slot.landed or slot.landed_writers != set(slot.expected_writers):

@@ -47,7 +47,6 @@ class Scheduler:
         metrics.queue_depth.labels(queue="waiting_slot").set_function(lambda: self._waiting)
         metrics.queue_depth.labels(queue="workers").set_function(lambda: workers.in_flight)
         # Label children looked up once: labels() costs several µs and would run per chunk.
-        self._bytes: dict[tuple[str, str], object] = {}
         self._write_seconds = {p: metrics.chunk_transfer.labels(path=p) for p in ("local", "nixl")}
 
     # ------------------------------------------------------------------ admission
@@ -244,16 +243,12 @@ class Scheduler:
             self._window(peer).write_done(r)
         if state is XferState.DONE:
             path = "local" if peer.is_self else "nixl"
-            counter = self._bytes.get((peer.daemon_id, path))
-            if counter is None:
-                counter = self._bytes[(peer.daemon_id, path)] = self._metrics.transfer_bytes.labels(
-                    peer=peer.daemon_id, path=path)
-            counter.inc(job.nbytes)  # type: ignore[attr-defined]
+            self._metrics.peer_series.labels(self._metrics.transfer_bytes, peer.daemon_id, path).inc(job.nbytes)
             self._write_seconds[path].observe(job.finished_at - job.posted_at)
             if peer.is_self:
                 self._local_notif(job.notif)
         else:
-            self._metrics.nixl_errors.labels(peer=peer.daemon_id).inc()
+            self._metrics.peer_series.labels(self._metrics.nixl_errors, peer.daemon_id).inc()
             if self._transport_failed is not None and not peer.is_self and transport_error(error):
                 self._transport_failed(peer, error, job.posted_at)
             self._fail(room, FailureCode.TRANSFER_ERROR,
