@@ -119,13 +119,9 @@ class Config:
     engine_lane: bool = True
     # Make the whole pool resident at start (kvxferd.memory.HostPool.prefault).
     prefault_pool: bool = True
-    # Transfer threads, each with its own UCX worker (kvxferd.workers); over CMA each copies at
-    # about one core's speed, so throughput follows their number: on 16 cores (H200 box, bench
-    # loopback, 20 MiB chunks, one run each) 4/6/8/12 gave 13.1/21.9/23.4/31.6 GB/s, raw NIXL with
-    # as many threads 16.0/24.3/29.5/39.6. No count that leaves the engines most cores comes within
-    # 10 % of the node's best, so 0 means half the CPUs this process may use, 2 to 8: the other half
-    # stays with the engines and the daemon's loop (at 12, mixed TP fell to 0.64 of same TP), and
-    # idle workers cost nothing. Over RDMA the NIC copies: fewer are enough.
+    # Transfer threads, each with its own UCX worker (kvxferd.workers); over CMA each copies at about one
+    # core's speed (16 cores, loopback: 4/6/8/12 gave 13/22/23/32 GB/s). 0: half the CPUs this process
+    # may use, 2 to 8: the rest stays with engines and the daemon's loop; idle workers cost nothing.
     workers: int = 0
     # WRITEs of one room queued behind a busy transfer thread go as one (kvxferd.workers): one
     # post and one notification for several small parts. Off: each chunk is its own WRITE.

@@ -3,12 +3,14 @@
 # `kvxferd bench loopback` at the daemon's default worker count, then at 8, 4, 6 and 12 workers while
 # the call's time allows, each with the tuned raw NIXL pair (as many UCX workers and posting threads as
 # the daemons, pools like theirs), the memcpy ceiling and mixed TP; bytes verified in every run.
-# One chunk size (64 tokens = 20 MiB) at 16 rooms in flight keeps a run at ~1.5 min, so the call's
-# wall time is predictable: < 9 min (each run is cut at RUN_S; a run is only started if it fits).
+# One chunk size (64 tokens = 20 MiB) at 16 rooms in flight keeps a run at ~30 s (H200 box, 16 cores:
+# 25-36 s each, the whole call 148 s with four counts), so the call's wall time is predictable and
+# well under 9 min (each run is cut at RUN_S; a run is only started if it fits in BUDGET_S).
 # Run from the repo root on the GPU box, carrying .whl/ (bench/device/make_wheels.sh):
 #   bash bench/device/gpu_tuned.sh
-# Writes under $OUT: loopback-wN.json/.png/-cdf.png and .log per worker count, tuned.json (a summary
-# row per worker count) and prints that summary.
+# Writes under $OUT (8 files: a device call returns only a few): loopback-wN.json per worker count,
+# the PNG and latency CDF of the default count's run, tuned.log (every run's output) and tuned.json
+# (a summary row per worker count), and prints that summary.
 set -uo pipefail
 # shellcheck source=bench/device/_env.sh
 . bench/device/_env.sh
@@ -25,11 +27,14 @@ for n in "$default" 8 4 6 12; do
     continue
   fi
   echo "=== $n workers (t=${SECONDS}s)"
+  plot=()
+  [ "$n" = "$default" ] && plot=(--plot "$OUT/loopback-w$n.png")
   timeout -s INT "$RUN_S" python3 -m kvxferd.bench.loopback --no-mooncake --no-reference --workers "$n" \
-    --chunk-tokens 64 --concurrency 16 --json "$OUT/loopback-w$n.json" --plot "$OUT/loopback-w$n.png" \
-    >"$OUT/loopback-w$n.log" 2>&1
+    --chunk-tokens 64 --concurrency 16 --json "$OUT/loopback-w$n.json" "${plot[@]}" >"$OUT/run.log" 2>&1
   r=$?
-  tail -16 "$OUT/loopback-w$n.log"
+  { echo "=== $n workers"; cat "$OUT/run.log"; } >>"$OUT/tuned.log"
+  tail -16 "$OUT/run.log"
+  rm -f "$OUT/run.log"
   echo "$n workers: rc=$r (t=${SECONDS}s)"
   (( r != 0 )) && rc=1
 done

@@ -6,9 +6,14 @@ What runs (all on 127.0.0.1, every process on this machine):
 * two daemons (``python -m kvxferd serve``), prefill and decode, each with its own NIXL agent,
 * engine processes that use only :mod:`kvxfer_client`: one per prefill rank and one per decode
   rank, for TP 1→1 (same TP) and the mixed pairs 4→2 and 1→4,
-* a raw NIXL initiator/target pair (two processes, one NIXL agent each): one descriptor per chunk
-  (the transport's ceiling here), and the per-token descriptor path (one descriptor per
-  (layer, K/V, token, head slice), as an in-engine mixed-TP fallback posts them),
+* raw NIXL tuned, the headline's baseline (:mod:`~kvxferd.bench.loopback_tuned`): an initiator and a
+  target with as many UCX workers and posting threads as the daemons' transfer workers (``--workers``
+  sets both), over pools made like the daemons' (huge pages where they get them), one descriptor per
+  chunk: the transport at its best here; and the memcpy ceiling (the same threads copying the same
+  chunks between two such pools),
+* a one-thread raw NIXL initiator/target pair (one UCX worker, plain buffers: what an engine that
+  embeds NIXL does; the ratio's second column), and the per-token descriptor path (one descriptor
+  per (layer, K/V, token, head slice), as an in-engine mixed-TP fallback posts them),
 * a Mooncake Transfer Engine pair over TCP loopback (P2PHANDSHAKE metadata), if installed.
 
 A *room* is one request's KV (``room_tokens`` tokens of the model layout), cut into chunks of
