@@ -28,7 +28,7 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from kvxfer_client._pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
 from kvxferd import __version__
@@ -36,6 +36,7 @@ from kvxferd.config import Config, loopback_listen
 from kvxferd.domain import FailureCode
 from kvxferd.faults import FAULT_CONTROL_SUFFIX, PostDelay, fault_control
 from kvxferd.lane import LANE_SUFFIX, LaneServer
+from kvxferd.listeners import DecodeGuard, RefusalLog, listener_caps, raise_nofile, server_options
 from kvxferd.logs import setup_logging
 from kvxferd.memlimit import PoolDoesNotFit
 from kvxferd.memory import POOL_SUFFIX, HostPool
@@ -233,19 +234,21 @@ async def _start(d: _Daemon, ready: Callable[[Ready], None] | None) -> None:
     node.attach(workers, peers.window, peers.connect, peers.all, peers.health.transport_failed)
 
     d.health = health_servicer = health.aio.HealthServicer()
-    opts = grpc_options(config)
-    engine_server = grpc.aio.server(options=[*opts, ("grpc.so_reuseport", 0)])
-    peer_server = grpc.aio.server(options=[*opts, ("grpc.so_reuseport", 0)])
+    opts, caps = [*grpc_options(config), ("grpc.so_reuseport", 0)], listener_caps(config, raise_nofile())
+    engine_server = grpc.aio.server(options=[*opts, *server_options(caps.engine_connections)])
+    peer_server = grpc.aio.server(options=[*opts, *server_options(caps.peer_connections)])
     d.servers = [engine_server, peer_server]
+    # Undecodable requests: INVALID_ARGUMENT and a summary line, not UNKNOWN and a traceback each.
+    engine, peer = DecodeGuard(engine_server, RefusalLog("engine API")), DecodeGuard(peer_server, RefusalLog("peer port"))
     engine_servicer = EngineServicer(node, metrics, _cuda_importer(transport), peers.status)
-    engine_pb2_grpc.add_EngineServicer_to_server(engine_servicer, engine_server)
+    engine_pb2_grpc.add_EngineServicer_to_server(engine_servicer, engine)
     peer_servicer = PeerServicer(ident, peers, transport)
     wrap_servicer(peer_servicer, "Peer", metrics, PEER_UNARY)
-    peer_pb2_grpc.add_PeerServicer_to_server(peer_servicer, peer_server)
-    for srv in d.servers:
+    peer_pb2_grpc.add_PeerServicer_to_server(peer_servicer, peer)
+    for srv, service in ((engine, ENGINE_SERVICE), (peer, PEER_SERVICE)):
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, srv)
-    reflection.enable_server_reflection((ENGINE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), engine_server)
-    reflection.enable_server_reflection((PEER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), peer_server)
+        reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
+            reflection.aio.ReflectionServicer((service, health.SERVICE_NAME, reflection.SERVICE_NAME)), srv)
 
     # Created private (umask) so no other user can connect in the moment before the chmod below
     # sets the configured mode.
@@ -264,7 +267,7 @@ async def _start(d: _Daemon, ready: Callable[[Ready], None] | None) -> None:
     ident.address = config.advertise_address or f"{peer_host}:{peer_port}"
     ident.daemon_id = config.daemon_id or f"{socket.gethostname()}:{peer_port}"
     if config.peer_stream_port >= 0:
-        d.wire = WireServer(peers, config)
+        d.wire = WireServer(peers, config, caps)
         try:
             stream_port = await d.wire.start(peer_host, config.peer_stream_port)
         except OSError as exc:
@@ -287,7 +290,8 @@ async def _start(d: _Daemon, ready: Callable[[Ready], None] | None) -> None:
             raise StartupError(f"cannot give the socket to group {config.socket_group!r}: {exc}") from exc
     if config.engine_lane:
         unary, streams, waiting = engine_servicer.lane_methods()
-        d.lane = LaneServer(config.socket + LANE_SUFFIX, unary, streams, config.max_message_bytes, waiting)
+        d.lane = LaneServer(config.socket + LANE_SUFFIX, unary, streams, config.max_message_bytes, waiting,
+                            caps.lane_connections)
         try:
             await d.lane.start(config.socket_mode, gid)
         except OSError as exc:

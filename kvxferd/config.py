@@ -119,9 +119,8 @@ class Config:
     engine_lane: bool = True
     # Make the whole pool resident at start (kvxferd.memory.HostPool.prefault).
     prefault_pool: bool = True
-    # Transfer threads, each with its own UCX worker (kvxferd.workers); over CMA each copies at about one
-    # core's speed (16 cores, loopback: 4/6/8/12 gave 13/22/23/32 GB/s). 0: half the CPUs this process
-    # may use, 2 to 8: the rest stays with engines and the daemon's loop; idle workers cost nothing.
+    # Transfer threads, each with its own UCX worker (kvxferd.workers); over CMA each copies at
+    # about one core's speed. 0: a quarter of the CPUs this process may use, 2 to 8.
     workers: int = 0
     # WRITEs of one room queued behind a busy transfer thread go as one (kvxferd.workers): one
     # post and one notification for several small parts. Off: each chunk is its own WRITE.
@@ -181,12 +180,14 @@ class Config:
     # dialed): daemons come and go (a pod's new name is a new daemon id), and the table must not
     # fill up with those that left. A new peer at max_peers evicts one down that long already.
     peer_forget_s: float = 600.0
-    # Peers with their own series in peer-labelled metrics (a daemon id is the peer's own word):
-    # later ones share peer="(other)" until one is forgotten, so /metrics stays bounded.
-    max_peer_series: int = 256
     max_pending_handshakes: int = 16
     max_peer_metadata_bytes: int = 1 << 20
     max_peer_batch_msgs: int = PEER_BATCH_MSGS
+    # Listener bounds (kvxferd.listeners): TCP connections open at once on the gRPC peer port
+    # (0: 2 x max_peers + 64, held to a sixth of RLIMIT_NOFILE), and framed control streams open
+    # before their Hello (a newcomer evicts the oldest of the source holding most).
+    max_peer_connections: int = 0
+    max_unauthenticated_streams: int = 64
     # Fleet registry ([registry] table in the file; KVXFERD_REGISTRY_* in the environment).
     # "none": rooms name their prefill daemon's address; "etcd": daemons publish themselves
     # under a lease and rooms may name a prefill group only.
@@ -297,8 +298,6 @@ class Config:
         if not limit <= self.peer_forget_s <= 7 * 86400:
             raise ConfigError(f"peer_forget_s must be heartbeat_misses x heartbeat_interval_s ({limit:g})"
                               f"..604800, got {self.peer_forget_s}")
-        if not 1 <= self.max_peer_series <= 65536:
-            raise ConfigError(f"max_peer_series must be 1..65536, got {self.max_peer_series}")
         if not 1 <= self.max_pending_handshakes <= 4096:
             raise ConfigError(f"max_pending_handshakes must be 1..4096, got {self.max_pending_handshakes}")
         # A handshake is a gRPC request too: max_message_bytes bounds it whatever this says.
@@ -313,7 +312,7 @@ class Config:
         the transfer threads must be the same number."""
         if self.workers:
             return self.workers
-        return min(8, max(2, usable_cpus() // 2))
+        return min(8, max(2, usable_cpus() // 4))
 
     @property
     def peer_auth_mode(self) -> str:
@@ -364,6 +363,8 @@ _CAP_RANGES = (
     ("max_streams_per_engine", 1, 4096),
     ("max_watch_backlog", 16, 1 << 24),
     ("max_tombstones", 16, 1 << 22),
+    ("max_peer_connections", 0, 1 << 20),
+    ("max_unauthenticated_streams", 1, 1 << 16),
 )
 
 

@@ -39,6 +39,7 @@ from typing import Any
 
 import grpc
 
+from kvxferd.listeners import RefusalLog
 from kvxferd.owned import bind_unix_socket
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,18 @@ REQUEST = struct.Struct("<IIIB")
 REPLY = struct.Struct("<IIB")
 STREAM_MORE = 0xFF
 MAX_CALLS_PER_CONNECTION = 1024
+# Work one connection may do in one loop turn: a client that pipelines hundreds of calls (each
+# GetStatus costs milliseconds) gets the rest served in later turns, reading paused meanwhile, so
+# every other client and the daemon's own timers get the loop in between. A chunk's calls (tens of
+# microseconds each) never come near it.
+TURN_CALLS = 64
+TURN_S = 0.005
+# The largest frame a connection may send before one call of it was served: what a stranger can
+# make one connection buffer (an engine's first calls are small).
+UNPROVEN_FRAME = 256 << 10
+# What every lane connection together may hold in incomplete frames, in frames of the largest size:
+# over it, the connection holding the most is closed.
+BUFFERED_FRAMES = 8
 
 Handler = Callable[[Any, Any], Awaitable[Any]]
 StreamHandler = Callable[[Any, Any], AsyncIterator[Any]]
@@ -77,17 +90,23 @@ class LaneContext:
 class LaneServer:
     def __init__(self, path: str, methods: Mapping[str, tuple[Handler, Any]],
                  streams: Mapping[str, tuple[StreamHandler, Any]], max_frame_bytes: int,
-                 waiting: frozenset[str] = frozenset()) -> None:
+                 waiting: frozenset[str] = frozenset(), max_connections: int = 1088) -> None:
         """methods: name -> (bound servicer method, request message class); streams: the same for
         server-streaming methods; waiting: the unary methods that may wait (for ring space, say),
-        served as tasks from the start, while the others run in the loop turn that read them."""
+        served as tasks from the start, while the others run in the loop turn that read them;
+        max_connections: over it, a new connection evicts the oldest that never had a call served
+        (engines' connections are never evicted for a newcomer), else it is closed."""
         self.path = path
         self._methods = dict(methods)
         self._waiting = waiting
         self._streams = dict(streams)
         self._max_frame = max_frame_bytes
         self._server: asyncio.AbstractServer | None = None
-        self._conns: set[_LaneConnection] = set()
+        self._conns: dict[_LaneConnection, None] = {}  # oldest first
+        self._max_conns = max_connections
+        self.buffered = 0  # bytes of incomplete frames, all connections together
+        self.budget = BUFFERED_FRAMES * max_frame_bytes
+        self.refusals = RefusalLog("engine lane")
 
     async def start(self, mode: int, gid: int = -1) -> None:
         self._server = await asyncio.get_running_loop().create_unix_server(
@@ -100,12 +119,36 @@ class LaneServer:
             self._server.close()
         for conn in list(self._conns):
             conn.close()
+        self.refusals.close()
+
+    def admit(self, conn: _LaneConnection) -> bool:
+        """A new connection: room is made by evicting the oldest one never served, if any."""
+        if len(self._conns) >= self._max_conns:
+            idle = next((c for c in self._conns if not c.proven), None)
+            if idle is None:
+                self.refusals(f"connection refused: {self._max_conns} open, all served")
+                return False
+            self.refusals(f"unserved connection evicted: {self._max_conns} open")
+            idle.abort()
+            self._conns.pop(idle, None)
+        self._conns[conn] = None
+        return True
+
+    def over_budget(self) -> None:
+        """Incomplete frames over the budget: the connection holding the most is closed."""
+        if not self._conns:
+            return
+        worst = max(self._conns, key=lambda c: len(c.buf))
+        self.refusals(f"connection closed: {self.buffered} B of incomplete frames (budget {self.budget})")
+        worst.abort()
 
 
 class _LaneConnection(asyncio.Protocol):
     def __init__(self, server: LaneServer) -> None:
         self._server = server
-        self._buf = bytearray()
+        self.buf = bytearray()
+        self.proven = False  # a call of it was served: an engine's, never evicted for a newcomer
+        self._busy = False  # frames left for a later loop turn (reading paused meanwhile)
         self._transport: asyncio.Transport | None = None
         self._calls: set[asyncio.Task[None]] = set()
         self._out: list[bytes] = []
@@ -122,10 +165,13 @@ class _LaneConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport
-        self._server._conns.add(self)
+        if not self._server.admit(self):
+            self.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._server._conns.discard(self)
+        self._server._conns.pop(self, None)
+        self._server.buffered -= len(self.buf)
+        self.buf = bytearray()
         self._transport = None
         self._writable.set()
         for task in self._calls:
@@ -135,28 +181,68 @@ class _LaneConnection(asyncio.Protocol):
         if self._transport is not None:
             self._transport.close()
 
+    def abort(self) -> None:
+        """Cuts a connection we refuse: nothing of it is worth waiting for."""
+        if self._transport is not None:
+            self._transport.abort()
+
     def data_received(self, data: bytes) -> None:
-        buf = self._buf
-        buf += data
-        pos = 0
+        self.buf += data
+        self._server.buffered += len(data)
+        if not self._busy:
+            self._work()
+
+    def _work(self) -> None:
+        """Serves the complete frames buffered, up to a turn's worth (TURN_CALLS, TURN_S)."""
+        buf, server = self.buf, self._server
+        pos = calls = 0
+        more = False
+        began = time.monotonic()
         while len(buf) - pos >= REQUEST.size:
             length, call_id, timeout_ms, name_len = REQUEST.unpack_from(buf, pos)
-            if length > self._server._max_frame or name_len > length:
-                logger.warning("lane: a frame of %d B (limit %d) or a malformed header; closing that connection",
-                               length, self._server._max_frame)
-                self.close()
+            limit = server._max_frame if self.proven else min(server._max_frame, UNPROVEN_FRAME)
+            if length > limit or name_len > length:
+                server.refusals(f"frame over {limit} B or malformed header: connection closed")
+                self.abort()
                 return
             end = pos + REQUEST.size + length
             if len(buf) < end:
+                break
+            if calls >= TURN_CALLS or (calls and time.monotonic() - began > TURN_S):
+                more = True
                 break
             start = pos + REQUEST.size
             name = bytes(buf[start : start + name_len]).decode("ascii", "replace")
             body = bytes(buf[start + name_len : end])
             pos = end
+            calls += 1
             self._dispatch(call_id, timeout_ms, name, body)
+        if more:
+            self._later()
+        else:
+            self._resume()
         del buf[:pos]
+        server.buffered -= pos
+        if server.buffered > server.budget:
+            server.over_budget()
         if self._out:
             self._flush()  # the replies of the calls just served, in one write, without another turn
+
+    def _later(self) -> None:
+        if not self._busy and self._transport is not None:
+            self._busy = True
+            self._transport.pause_reading()
+        asyncio.get_running_loop().call_soon(self._work_on)
+
+    def _work_on(self) -> None:
+        if self._transport is not None:
+            self._work()
+
+    def _resume(self) -> None:
+        if self._busy:
+            self._busy = False
+            if self._transport is not None:
+                self._transport.resume_reading()
 
     def _dispatch(self, call_id: int, timeout_ms: int, name: str, body: bytes) -> None:
         entry: tuple[Any, Any] | None = self._server._methods.get(name)
@@ -174,8 +260,10 @@ class _LaneConnection(asyncio.Protocol):
         try:
             request = request_cls.FromString(body)
         except Exception:
+            self._server.refusals(f"{name}: undecodable request")
             self._reply(call_id, grpc.StatusCode.INVALID_ARGUMENT, f"{name}: the request does not parse".encode())
             return
+        self.proven = True
         ctx = LaneContext(timeout_ms)
         if streaming:
             self._track(asyncio.ensure_future(self._serve(call_id, name, self._stream(call_id, handler, request, ctx))))

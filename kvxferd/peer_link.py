@@ -39,6 +39,7 @@ from kvxferd.ports import BootstrapAnswer, BootstrapMsg, CreditSpec
 logger = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT_S = 5.0
+FRAMED_RETRY_S = 60.0
 # At most this many messages per batch: a bounded message size whatever the backlog.
 MAX_BATCH = PEER_BATCH_MSGS
 # How long a range release may wait for other messages to share its batch.
@@ -130,6 +131,9 @@ class PeerLink:
         self.agent_name = ""
         # Its framed control stream (kvxferd.peer_wire), from its handshake; "" = Session RPC only.
         self.stream_address = ""
+        # When the peer's framed port cut or refused a stream of ours before taking it up (strangers
+        # at its cap, say): the Session RPC serves the pair until FRAMED_RETRY_S later.
+        self.framed_failed_at = -FRAMED_RETRY_S
         self.metadata = b""  # the NIXL metadata loaded for agent_name
         self.is_self = False
         self.up = False
@@ -202,6 +206,8 @@ class PeerLink:
         reach, for the Session RPC to serve instead."""
         if not self.stream_address or config.peer_stream_port < 0:
             return None
+        if time.monotonic() - self.framed_failed_at < FRAMED_RETRY_S:
+            return None
         try:
             wire = await dial(self.stream_address, config, CONTROL_TIMEOUT_S)
         except (OSError, asyncio.TimeoutError) as exc:
@@ -244,6 +250,18 @@ class PeerLink:
             self.session = None
             self.last_rx = time.monotonic()
         self._close(session)
+
+    def framed_cut(self, session: Session, why: str) -> bool:
+        """Whether `session`, our framed stream, ended before the peer took it up (its framed port
+        cut or refused it: strangers at its cap of streams before a Hello, say); if so it is
+        dropped, and the Session RPC serves the pair for FRAMED_RETRY_S."""
+        if session.kind != "framed" or not session.ours or session.heard or self.session is not session:
+            return False
+        logger.warning("control stream with %s (%s): %s before it was taken up; using the gRPC Session "
+                       "stream", self.daemon_id, self.address, why)
+        self.framed_failed_at = time.monotonic()
+        self.drop(session)
+        return True
 
     def race(self, low: bool, now: float, recent_s: float) -> str:
         """What to do with a stream the peer opened while this link is up: "take" it, "refuse" it

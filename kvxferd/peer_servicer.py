@@ -20,6 +20,7 @@ from kvxferd import __version__
 from kvxferd.config import Config
 from kvxferd.convert import daemon_ref, daemon_ref_pb
 from kvxferd.errors import KvxferError
+from kvxferd.listeners import ListenerCaps, RefusalLog, listener_caps
 from kvxferd.peer_auth import PeerCreds, ids_from_auth_context
 from kvxferd.peer_link import CONTROL_TIMEOUT_S, Session, proof_of, proof_pb
 from kvxferd.peer_wire import WireStream, server_context
@@ -31,9 +32,9 @@ from kvxferd.transport import Transport
 logger = logging.getLogger(__name__)
 
 PEER_UNARY = ("Handshake", "Heartbeat")
-# Framed streams open at once, Hello read or not, beyond two per peer we may know: a bound on
-# what strangers can hold open.
-SPARE_WIRE_STREAMS = 16
+# The largest first frame a framed stream may send before its Hello is accepted: a Hello (ids, an
+# address, a proof) is well under 1 KiB; a bigger frame before it is a protocol error.
+MAX_HELLO_FRAME = 16 << 10
 
 
 NO_HELLO = "a session starts with a Hello"
@@ -118,47 +119,79 @@ class WireServer:
     """Serves the control stream as plain frames on its own port. A stream is taken on exactly
     the Session RPC's terms: its first batch starts with a Hello that PeerManager.accept matches
     to a completed handshake of that instance (with mTLS, the client certificate must name the
-    daemon), and nothing after it is read before that."""
+    daemon), and nothing after it is read before that.
 
-    def __init__(self, manager: PeerManager, config: Config) -> None:
+    Strangers are bounded apart from peers: a stream before its Hello may send one frame of at most
+    MAX_HELLO_FRAME within CONTROL_TIMEOUT_S, and at most `unauthenticated_streams` of them are open
+    at once; a newcomer over that evicts the oldest stream of the source holding the most, so
+    strangers that hold streams open can delay a peer by one reconnect, never keep it out (and a
+    dialer whose framed stream is cut before it was taken up uses the Session RPC instead).
+    Accepted streams (two per peer we may know) have their own cap, which strangers never touch."""
+
+    def __init__(self, manager: PeerManager, config: Config, caps: ListenerCaps | None = None) -> None:
         self._m = manager
         self._config = config
+        self._caps = caps or listener_caps(config, 1 << 16)
         self._server: asyncio.AbstractServer | None = None
         self._streams: set[WireStream] = set()
+        self._strangers: dict[WireStream, str] = {}  # before their Hello, oldest first: stream -> source
+        self._refusals = RefusalLog("framed peer port")
 
     async def start(self, host: str, port: int) -> int:
         """Listens on host:port (0: a free port); returns the port."""
+        # A small reader limit: what a stream buffers before we read it is about twice this.
         self._server = await asyncio.start_server(
-            self._serve, host.strip("[]") or None, port, ssl=server_context(self._config), limit=1 << 20,
+            self._serve, host.strip("[]") or None, port, ssl=server_context(self._config), limit=64 << 10,
             ssl_handshake_timeout=CONTROL_TIMEOUT_S if self._config.tls_enabled else None)
         return int(self._server.sockets[0].getsockname()[1])
 
     def close(self) -> None:
         if self._server is not None:
             self._server.close()
-        for stream in list(self._streams):
+        for stream in [*self._streams, *self._strangers]:
             stream.close()
+        self._refusals.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        stream = WireStream(reader, writer, self._config.max_message_bytes)
-        cap = 2 * self._config.max_peers + SPARE_WIRE_STREAMS
-        if len(self._streams) >= cap:
-            await stream.refuse(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], f"{cap} control streams open already")
-            return
-        self._streams.add(stream)
+        stream = WireStream(reader, writer, MAX_HELLO_FRAME)
+        if len(self._strangers) >= self._caps.unauthenticated_streams:
+            self._evict_stranger()
+        self._strangers[stream] = stream.peer.rpartition(":")[0]
         try:
             await self._session(stream)
-        except Exception:
-            logger.exception("control stream from %s failed", stream.peer)
+        except Exception as exc:
+            self._refusals(f"stream failed: {type(exc).__name__}")
+            logger.debug("control stream from %s failed", stream.peer, exc_info=True)
         finally:
+            self._strangers.pop(stream, None)
             self._streams.discard(stream)
             stream.close()
+
+    def _evict_stranger(self) -> None:
+        """Cuts the oldest stream, not yet past its Hello, of the source that holds the most."""
+        counts: dict[str, int] = {}
+        for source in self._strangers.values():
+            counts[source] = counts.get(source, 0) + 1
+        top = max(counts, key=counts.__getitem__)
+        victim = next(s for s, source in self._strangers.items() if source == top)
+        del self._strangers[victim]
+        victim.abort("evicted before its Hello")
+        self._refusals(f"stream evicted before its Hello ({self._caps.unauthenticated_streams} open)")
 
     async def _session(self, stream: WireStream) -> None:
         first = await _opening(stream)
         if first is None:
+            self._refusals(NO_HELLO)
             await stream.refuse(grpc.StatusCode.INVALID_ARGUMENT.value[0], NO_HELLO)
             return
+        # Past its Hello frame: no longer evictable (accept may wait), counted with the peers'.
+        self._strangers.pop(stream, None)
+        if len(self._streams) >= self._caps.framed_streams:
+            self._refusals("accepted streams at their cap")
+            await stream.refuse(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+                                f"{self._caps.framed_streams} control streams open already")
+            return
+        self._streams.add(stream)
         # Its teardown (a loss, a newer stream) cuts it: nothing waits on a peer that stopped reading.
         session = Session(stream.write, stream.abort, "framed")
         try:
@@ -166,6 +199,7 @@ class WireServer:
         except KvxferError as exc:
             await stream.refuse(status_of(exc).value[0], str(exc))
             return
+        stream.trust(self._config.max_message_bytes)
         try:
             await self._m.serve_stream(h, session, peer_pb2.PeerBatch(msgs=first.msgs[1:]), stream)
         except KvxferError as exc:

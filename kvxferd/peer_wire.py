@@ -78,6 +78,11 @@ class WireStream:
         peer = self._writer.get_extra_info("peername")
         return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "?"
 
+    def trust(self, max_frame: int) -> None:
+        """The stream's Hello was accepted: frames up to `max_frame`, and the reader's usual buffer."""
+        self._max_frame = max_frame
+        self._reader._limit = max(self._reader._limit, 1 << 20)  # type: ignore[attr-defined]
+
     def peer_cert_ids(self) -> frozenset[str] | None:
         """Daemon ids the other side's verified certificate names (None: no certificate)."""
         cert = self._writer.get_extra_info("peercert")

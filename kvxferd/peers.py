@@ -47,7 +47,6 @@ class PeerManager:
         self._transport = transport
         self._workers = workers
         self._metrics = metrics
-        metrics.peer_series.cap = config.max_peer_series
         self._inbox = inbox
         self._spawn = spawn
         self._by_address: dict[str, PeerLink] = {}
@@ -221,7 +220,9 @@ class PeerManager:
             logger.info("control stream with %s (%s): the peer keeps the one it dialed", h.daemon_id, h.address)
             h.drop(session)
             return
-        if h.session is session and not session.closed:
+        if h.framed_cut(session, why):  # not a loss: the Session RPC carries the pair instead
+            self._spawn(self.connect(h.address), f"Session stream with {h.address}")
+        elif h.session is session and not session.closed:
             self.lost(h, why)
         if refused is not None and reraise:
             raise refused
@@ -381,7 +382,7 @@ class PeerManager:
             self.lost(h, f"loading its new NIXL metadata failed: {exc}")
             raise
         h.metadata = metadata
-        self._metrics.peer_series.labels(self._metrics.peer_metadata_reloads, h.daemon_id).inc()
+        self._metrics.peer_metadata_reloads.labels(peer=h.daemon_id).inc()
         logger.info("peer %s: NIXL metadata replaced (it registered or released memory)", h.daemon_id)
 
     def lost(self, h: PeerLink, reason: str) -> None:
@@ -489,8 +490,6 @@ class PeerManager:
 
     def _forget(self, now: float, after_s: float) -> None:
         for h in forget(self._by_address, self._by_id, self._next_dial, now, after_s, self.config.peers):
-            if h.daemon_id not in self._by_id:  # (not when only an old address of it went)
-                self._metrics.peer_series.forget(h.daemon_id)
             self._spawn(h.close(), f"close forgotten link {h.address}")
         self._refresh()
 

@@ -1,0 +1,223 @@
+"""Issue #36 classes 3 and 5: every listener is bounded, and undecodable input is INVALID_ARGUMENT.
+
+Real daemons; the hostile side is raw sockets from this process. `fl` runs with RLIMIT_NOFILE at
+1024 so that an idle-connection flood of its peer port is cheap; `p1`/`p2` are a fresh pair whose
+first control stream meets a crowd of strangers on p1's framed port.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvxfer_client import PrefillSender
+from kvxferd.lane import LANE_SUFFIX, REPLY, REQUEST
+from kvxferd.peer_wire import BATCH, FRAME
+from tests.conftest import DaemonProc
+from tests.faults.harness import launch, wait_until
+from tests.peer_client import LAYOUT, Wire, one_room, peer_streams, running
+
+NOFILE = 1024
+# Runs the daemon's command line with RLIMIT_NOFILE (soft and hard) at NOFILE.
+LOW_NOFILE = [sys.executable, "-c", "import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, "
+              f"({NOFILE}, {NOFILE})); os.execvp(sys.argv[1], sys.argv[1:])"]
+GARBAGE = b"\xff\xff\xff\xff"  # no protobuf message parses from it (a truncated varint field)
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[dict[str, DaemonProc]]:
+    wd = Path(tempfile.mkdtemp(prefix="kvxlb-"))
+    procs = {
+        "fl": launch(wd, "fl", prefix=LOW_NOFILE, wait=False),
+        "p1": launch(wd, "p1", "--set", "max_peers=4", wait=False),
+        "p2": launch(wd, "p2", wait=False),
+    }
+    try:
+        with running(procs):
+            yield procs
+    finally:
+        shutil.rmtree(wd, ignore_errors=True)
+
+
+def _open(address: str, n: int) -> list[socket.socket]:
+    host, _, port = address.rpartition(":")
+    out = []
+    for _ in range(n):
+        s = socket.create_connection((host, int(port)), timeout=10)
+        s.setblocking(False)
+        out.append(s)
+    return out
+
+
+def _closed_by_peer(s: socket.socket) -> bool:
+    try:
+        while True:
+            if not s.recv(65536):
+                return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def _rss(d: DaemonProc) -> int:
+    for line in Path(f"/proc/{d.proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) << 10
+    raise AssertionError("no VmRSS")
+
+
+def _fds(d: DaemonProc) -> int:
+    return len(os.listdir(f"/proc/{d.proc.pid}/fd"))
+
+
+def test_strangers_on_the_framed_port_do_not_keep_a_peer_out(fleet: dict[str, DaemonProc]) -> None:
+    # Before: 2 x max_peers + 16 streams of any kind (24 on p1), strangers' included: p2's first
+    # stream was refused and its room failed PEER_LOST. Now strangers evict each other.
+    p1, p2 = fleet["p1"], fleet["p2"]
+    held = [Wire(p1) for _ in range(100)]
+    try:
+        one_room(p1, p2, 1)  # p2 dials p1: its framed stream meets the crowd
+        assert peer_streams(p2).get("framed", 0) >= 1, peer_streams(p2)
+    finally:
+        for w in held:
+            w.close()
+
+
+def test_an_idle_connection_flood_of_the_peer_port_leaves_engines_and_peers_served(
+        fleet: dict[str, DaemonProc]) -> None:
+    fl, p2 = fleet["fl"], fleet["p2"]
+    lines_before = len(fl.log_text().splitlines())
+    flood = _open(fl.peer_address, int(NOFILE * 1.5))  # more than the daemon may hold open at all
+    try:
+        # fds held well below the limit, and a new engine registers meanwhile.
+        assert _fds(fl) < NOFILE - 100, _fds(fl)
+        with PrefillSender(socket=fl.socket, group="g-flood", layout=LAYOUT, ring_bytes=1 << 20):
+            pass
+        # Connections that never speak HTTP/2 go after the handshake timeout; then a new peer is served.
+        wait_until(lambda: all(_closed_by_peer(s) for s in flood), 60, "the daemon to close the idle connections")
+        one_room(fl, p2, 2)
+    finally:
+        for s in flood:
+            s.close()
+    added = fl.log_text().splitlines()[lines_before:]
+    assert len(added) < 60, f"{len(added)} log lines for one flood:\n" + "\n".join(added[:20])
+
+
+def _lane(d: DaemonProc) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(30)
+    s.connect(d.socket + LANE_SUFFIX)
+    return s
+
+
+def _call(name: str, call_id: int, body: bytes = b"", length: int | None = None) -> bytes:
+    payload = name.encode() + body
+    return REQUEST.pack(len(payload) if length is None else length, call_id, 0, len(name)) + payload
+
+
+def _replies(s: socket.socket, n: int) -> list[int]:
+    """The status codes of the next n lane replies."""
+    buf, codes = b"", []
+    while len(codes) < n:
+        while len(buf) >= REPLY.size:
+            length, _, code = REPLY.unpack_from(buf)
+            if len(buf) < REPLY.size + length:
+                break
+            codes.append(code)
+            buf = buf[REPLY.size + length:]
+        if len(codes) < n:
+            part = s.recv(1 << 20)
+            assert part, "the lane closed"
+            buf += part
+    return codes
+
+
+def test_pipelined_lane_calls_do_not_stall_another_client(fleet: dict[str, DaemonProc]) -> None:
+    fl = fleet["fl"]
+    busy, other = _lane(fl), _lane(fl)
+    n = 100  # GetStatus costs 10-80 ms of the daemon's loop on the 2-core CI box
+    t0 = time.monotonic()
+    busy.sendall(b"".join(_call("GetStatus", i) for i in range(n)))
+    time.sleep(0.01)  # (the daemon has the pipeline in hand)
+    t1 = time.monotonic()
+    other.sendall(_call("GetStatus", 1))
+    assert _replies(other, 1) == [0]
+    waited = time.monotonic() - t1
+    assert _replies(busy, n) == [0] * n
+    total = time.monotonic() - t0
+    # Before: the other client waited for the whole pipeline (`total`); now for a turn of it.
+    assert waited < 1.0 and waited < total / 4, (waited, total)
+    busy.close()
+    other.close()
+
+
+def test_incomplete_frames_and_frames_before_hello_do_not_grow_memory(fleet: dict[str, DaemonProc]) -> None:
+    fl = fleet["fl"]
+    big = 4 << 20  # max_message_bytes, the largest frame either port takes from a trusted sender
+    before = _rss(fl)
+    junk = b"\0" * (big - (1 << 20))
+    held: list[socket.socket] = []
+    # Framed peer port: a 4 MiB frame before any Hello, never finished.
+    for _ in range(30):
+        w = Wire(fl)
+        held.append(w.sock)
+        try:
+            w.sock.sendall(FRAME.pack(big, BATCH) + junk)
+        except OSError:
+            pass  # closed for it: what should happen
+    # Engine lane: a connection with one call served, then a 4 MiB frame never finished.
+    for i in range(30):
+        s = _lane(fl)
+        held.append(s)
+        try:
+            s.sendall(_call("GetStatus", i) + _call("EnqueueChunk", i + 1, length=big) + junk)
+        except OSError:
+            pass
+    # TCP buffers megabytes the daemon has not read yet: watch its RSS for a while, keep the peak.
+    grown = 0
+    for _ in range(40):
+        grown = max(grown, _rss(fl) - before)
+        time.sleep(0.05)
+    for s in held:
+        s.close()
+    # Before: 180 MiB held for these 60 connections; now the pre-Hello limit and the lane's 32 MiB
+    # budget (42 MiB measured with the allocator's share).
+    assert grown < 80 << 20, f"RSS grew {grown >> 20} MiB"
+    assert fl.proc.poll() is None
+
+
+def test_undecodable_requests_are_invalid_argument_without_tracebacks(fleet: dict[str, DaemonProc]) -> None:
+    fl = fleet["fl"]
+    lines_before = len(fl.log_text().splitlines())
+    with grpc.insecure_channel(f"unix:{fl.socket}") as ch:
+        for _ in range(50):
+            with pytest.raises(grpc.RpcError) as exc:
+                ch.unary_unary("/kvxfer.v1.Engine/GetStatus")(GARBAGE, timeout=10)
+            assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, exc.value
+    with grpc.insecure_channel(fl.peer_address) as ch:
+        for _ in range(50):
+            for call in (lambda: ch.unary_unary("/kvxfer.v1.Peer/Handshake")(GARBAGE, timeout=10),
+                         lambda: list(ch.stream_stream("/kvxfer.v1.Peer/Session")(iter([GARBAGE]), timeout=10))):
+                with pytest.raises(grpc.RpcError) as exc:
+                    call()
+                assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, exc.value
+    # The engine lane answers the same.
+    s = _lane(fl)
+    s.sendall(_call("GetStatus", 7, GARBAGE))
+    assert _replies(s, 1) == [grpc.StatusCode.INVALID_ARGUMENT.value[0]]
+    s.close()
+    added = fl.log_text().splitlines()[lines_before:]
+    assert not any("Traceback" in line for line in added), "\n".join(added[:40])
+    assert len(added) < 20, f"{len(added)} log lines for 150 undecodable requests"
+    assert any("undecodable" in line for line in added), "a summary line names what was refused"
+
