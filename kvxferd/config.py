@@ -119,8 +119,9 @@ class Config:
     engine_lane: bool = True
     # Make the whole pool resident at start (kvxferd.memory.HostPool.prefault).
     prefault_pool: bool = True
-    # Transfer threads, each with its own UCX worker (kvxferd.workers); over CMA each copies at
-    # about one core's speed. 0: a quarter of the CPUs this process may use, 2 to 8.
+    # Transfer threads, each with its own UCX worker (kvxferd.workers); over CMA each copies at about one
+    # core's speed (16 cores, loopback: 4/6/8/12 gave 13/22/23/32 GB/s). 0: half the CPUs this process
+    # may use, 2 to 8: the rest stays with engines and the daemon's loop; idle workers cost nothing.
     workers: int = 0
     # WRITEs of one room queued behind a busy transfer thread go as one (kvxferd.workers): one
     # post and one notification for several small parts. Off: each chunk is its own WRITE.
@@ -180,6 +181,9 @@ class Config:
     # dialed): daemons come and go (a pod's new name is a new daemon id), and the table must not
     # fill up with those that left. A new peer at max_peers evicts one down that long already.
     peer_forget_s: float = 600.0
+    # Peers with their own series in peer-labelled metrics (a daemon id is the peer's own word):
+    # later ones share peer="(other)" until one is forgotten, so /metrics stays bounded.
+    max_peer_series: int = 256
     max_pending_handshakes: int = 16
     max_peer_metadata_bytes: int = 1 << 20
     max_peer_batch_msgs: int = PEER_BATCH_MSGS
@@ -298,6 +302,8 @@ class Config:
         if not limit <= self.peer_forget_s <= 7 * 86400:
             raise ConfigError(f"peer_forget_s must be heartbeat_misses x heartbeat_interval_s ({limit:g})"
                               f"..604800, got {self.peer_forget_s}")
+        if not 1 <= self.max_peer_series <= 65536:
+            raise ConfigError(f"max_peer_series must be 1..65536, got {self.max_peer_series}")
         if not 1 <= self.max_pending_handshakes <= 4096:
             raise ConfigError(f"max_pending_handshakes must be 1..4096, got {self.max_pending_handshakes}")
         # A handshake is a gRPC request too: max_message_bytes bounds it whatever this says.
@@ -312,7 +318,7 @@ class Config:
         the transfer threads must be the same number."""
         if self.workers:
             return self.workers
-        return min(8, max(2, usable_cpus() // 4))
+        return min(8, max(2, usable_cpus() // 2))
 
     @property
     def peer_auth_mode(self) -> str:

@@ -47,6 +47,7 @@ class PeerManager:
         self._transport = transport
         self._workers = workers
         self._metrics = metrics
+        metrics.peer_series.cap = config.max_peer_series
         self._inbox = inbox
         self._spawn = spawn
         self._by_address: dict[str, PeerLink] = {}
@@ -382,7 +383,7 @@ class PeerManager:
             self.lost(h, f"loading its new NIXL metadata failed: {exc}")
             raise
         h.metadata = metadata
-        self._metrics.peer_metadata_reloads.labels(peer=h.daemon_id).inc()
+        self._metrics.peer_series.labels(self._metrics.peer_metadata_reloads, h.daemon_id).inc()
         logger.info("peer %s: NIXL metadata replaced (it registered or released memory)", h.daemon_id)
 
     def lost(self, h: PeerLink, reason: str) -> None:
@@ -490,6 +491,8 @@ class PeerManager:
 
     def _forget(self, now: float, after_s: float) -> None:
         for h in forget(self._by_address, self._by_id, self._next_dial, now, after_s, self.config.peers):
+            if h.daemon_id not in self._by_id:  # (not when only an old address of it went)
+                self._metrics.peer_series.forget(h.daemon_id)
             self._spawn(h.close(), f"close forgotten link {h.address}")
         self._refresh()
 
