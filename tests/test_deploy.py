@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -599,3 +601,77 @@ def test_validate_deploy_script():
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-2000:]
+
+
+# --------------------------------------------------------------------------- deploy policy (issue #41)
+
+
+def _policy(deploy_dir: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(ROOT / "scripts" / "validate-deploy.sh"), "--policy-only", str(deploy_dir)],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHON": sys.executable})
+
+
+def _mutate_pod(yaml, path: Path, edit) -> None:
+    objs = list(yaml.safe_load_all(path.read_text()))
+    for o in objs:
+        if o and o["kind"] in ("DaemonSet", "Deployment"):
+            edit(o["spec"]["template"]["spec"])
+    path.write_text(yaml.safe_dump_all(objs))
+
+
+def _kv(spec: dict) -> dict:
+    return _kvxferd_container(spec)
+
+
+_MUTATIONS = {
+    "no hugepages limit": ("kubernetes/daemonset.yaml", lambda s: _kv(s)["resources"]["limits"].pop("hugepages-2Mi"),
+                           "hugepages-2Mi"),
+    "SYS_ADMIN added": ("kubernetes/daemonset.yaml",
+                        lambda s: _kv(s)["securityContext"]["capabilities"]["add"].append("SYS_ADMIN"), "adds SYS_ADMIN"),
+    "no hostIPC": ("kubernetes/daemonset.yaml", lambda s: s.update(hostIPC=False), "hostIPC"),
+    "no fsGroup": ("kubernetes/daemonset.yaml", lambda s: s["securityContext"].pop("fsGroup"), "fsGroup"),
+    "seccomp off": ("kubernetes/daemonset.yaml",
+                    lambda s: s["securityContext"].update(seccompProfile={"type": "Unconfined"}), "seccompProfile"),
+    "sidecar pool on Memory": ("kubernetes/sidecar/deployment.yaml",
+                               lambda s: next(v for v in s["volumes"] if v["name"] == "hugepages")["emptyDir"].update(
+                                   medium="Memory"), "HugePages emptyDir"),
+}
+
+
+@pytest.mark.parametrize("mutation", [None, *_MUTATIONS], ids=["as shipped", *_MUTATIONS])
+def test_the_deploy_policy_refuses_a_mutated_manifest(yaml, tmp_path, mutation):
+    """scripts/validate-deploy.sh --policy-only on a copy of deploy/: as shipped it passes; each
+    mutation (a privilege granted, a huge-page or CUDA IPC setting lost) is refused, naming it."""
+    copy = tmp_path / "deploy"
+    shutil.copytree(DEPLOY, copy)
+    if mutation is not None:
+        rel, edit, _ = _MUTATIONS[mutation]
+        _mutate_pod(yaml, copy / rel, edit)
+    got = _policy(copy)
+    if mutation is None:
+        assert got.returncode == 0, got.stdout + got.stderr
+        return
+    assert got.returncode == 1, got.stdout + got.stderr
+    refused = [line for line in got.stdout.splitlines() if line.startswith("REFUSED")]
+    assert len(refused) == 1 and _MUTATIONS[mutation][2] in refused[0], got.stdout
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda u: re.sub(r"(?m)^ExecStartPre=-\+/usr/bin/install.*\n", "", u), "ExecStartPre"),
+    (lambda u: u.replace("CapabilityBoundingSet=\n", "CapabilityBoundingSet=CAP_SYS_ADMIN\n"), "CapabilityBoundingSet"),
+], ids=["no huge_dir ExecStartPre", "CAP_SYS_ADMIN"])
+def test_the_deploy_policy_refuses_a_mutated_unit_or_etcd(tmp_path, edit, needle):
+    copy = tmp_path / "deploy"
+    shutil.copytree(DEPLOY, copy)
+    unit = copy / "systemd" / "kvxferd.service"
+    before = unit.read_text()
+    unit.write_text(edit(before))
+    assert unit.read_text() != before, "the mutation must change the unit"
+    got = _policy(copy)
+    assert got.returncode == 1 and needle in got.stdout, got.stdout + got.stderr
+    # etcd without its PodDisruptionBudget: quorum could be drained away.
+    unit.write_text(before)
+    etcd = copy / "etcd" / "etcd.yaml"
+    etcd.write_text("\n---\n".join(d for d in etcd.read_text().split("\n---\n") if "kind: PodDisruptionBudget" not in d))
+    got = _policy(copy)
+    assert got.returncode == 1 and "PodDisruptionBudget" in got.stdout, got.stdout + got.stderr
