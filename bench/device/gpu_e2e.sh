@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: the GPU end-to-end suite (tests/gpu) with two real daemons, CUDA IPC rings and
 # VRAM over NIXL, recording throughput per case. Run from the repo root on the GPU box:
-#   bash bench/device/gpu_e2e.sh
+#   KVX_COMMIT=<commit, from this checkout> bash bench/device/gpu_e2e.sh   (the copy there has no .git)
 # The box has torch/triton/grpcio but not nixl: carry .whl/ (git-ignored; bench/device/make_wheels.sh
 # builds it, ~17 MiB) holding
 #   nixl_slim.tar.xz  the nixl + nixl_cu13 1.5.1 wheels for cp312 unpacked, minus nixl_ep and the
@@ -79,7 +79,8 @@ env = {
     "nixl": "1.5.1 (nixl_cu13, UCX backend)",
     "transport_note": "two daemons on one host, NIXL/UCX between them; every rank on cuda:0",
 }
-json.dump({"env": env, "cases": rows}, open(f"{out}/gpu-e2e.json", "w"), indent=1)
+from kvxferd.bench._common import write_json  # adds commit (KVX_COMMIT), machine, command
+write_json(f"{out}/gpu-e2e.json", {"command": "bash bench/device/gpu_e2e.sh", "env": env, "cases": rows})
 print(f"{'case':<14}{'path':<7}{'MiB':>9}{'s':>8}{'GB/s':>8}  byte-exact")
 for r in rows:
     print(f"{r['case']:<14}{r['path']:<7}{r['bytes'] / 2**20:>9.1f}{r['seconds']:>8.3f}{r['gb_per_s']:>8.3f}  "

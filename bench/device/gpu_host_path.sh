@@ -27,7 +27,8 @@ python3 - "$OUT" <<'PY'
 import json, os, sys
 out = sys.argv[1]
 rows = [json.loads(line) for line in open(f"{out}/host-path.jsonl")] if os.path.exists(f"{out}/host-path.jsonl") else []
-json.dump({"cases": rows}, open(f"{out}/host-path.json", "w"), indent=1)
+from kvxferd.bench._common import write_json  # adds commit (KVX_COMMIT), machine, command
+write_json(f"{out}/host-path.json", {"command": "bash bench/device/gpu_host_path.sh", "cases": rows})
 for r in rows:
     extra = f"  raw NIXL DRAM {r['raw_nixl_dram_gb_per_s']} GB/s, ratio {r['host_over_raw']}" if "host_over_raw" in r else ""
     print(f"{r['case']:<14}{r['bytes'] / 2**20:>9.1f} MiB {r['gb_per_s']:>7.3f} GB/s byte-exact={r['byte_exact']}{extra}")

@@ -312,7 +312,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def git_commit() -> str:
-    """The commit the bench ran from (``-dirty`` with uncommitted changes in tracked files)."""
+    """The commit the bench ran from (``-dirty`` with uncommitted changes in tracked files);
+    KVX_COMMIT names it where the tree has no .git (a copy run on a GPU box, bench/device/)."""
+    if os.environ.get("KVX_COMMIT"):
+        return os.environ["KVX_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
