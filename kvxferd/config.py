@@ -280,8 +280,6 @@ class Config:
             raise ConfigError(f"shm_dir {self.shm_dir!r} is not a directory")
         if self.pool_backing not in POOL_BACKINGS:
             raise ConfigError(f"pool_backing must be one of {', '.join(POOL_BACKINGS)}, got {self.pool_backing!r}")
-        if self.pool_backing == "huge_dir" and not Path(self.huge_dir).is_dir():
-            raise ConfigError(f"pool_backing = \"huge_dir\" needs huge_dir to name a directory, got {self.huge_dir!r}")
         _check_socket_path(self.socket)
         return self
 
