@@ -51,16 +51,22 @@ def hugetlbfs(short_tmp: Path) -> Iterator[Path]:
     if got.returncode != 0:
         pytest.skip(f"this container may not mount hugetlbfs: {got.stderr.strip()}")
     before = int(NR_HUGEPAGES.read_text())
+    reserved = False
     try:
-        NR_HUGEPAGES.write_text(f"{before + RESERVE}\n")
+        try:
+            NR_HUGEPAGES.write_text(f"{before + RESERVE}\n")
+            reserved = True
+        except OSError as exc:  # a read-only /proc/sys (an unprivileged container)
+            pytest.skip(f"this container may not reserve huge pages: {exc}")
         free = int(FREE_2M.read_text())
         assert free >= RESERVE, f"asked the kernel for {RESERVE} more 2 MiB pages, {free} are free"
         (mnt / "kvxferd").mkdir(mode=0o700)  # as the unit's ExecStartPre makes it
         yield mnt / "kvxferd"
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
-        # Pages still held (a daemon that would not die) become surplus and are freed when let go.
-        NR_HUGEPAGES.write_text(f"{before}\n")
+        if reserved:
+            # Pages still held (a daemon that would not die) become surplus, freed when let go.
+            NR_HUGEPAGES.write_text(f"{before}\n")
 
 
 def _pool_keys() -> dict[str, Any]:
