@@ -187,9 +187,8 @@ class Config:
     max_pending_handshakes: int = 16
     max_peer_metadata_bytes: int = 1 << 20
     max_peer_batch_msgs: int = PEER_BATCH_MSGS
-    # Listener bounds (kvxferd.listeners): TCP connections open at once on the gRPC peer port
-    # (0: 2 x max_peers + 64, held to a sixth of RLIMIT_NOFILE), and framed control streams open
-    # before their Hello (a newcomer evicts the oldest of the source holding most).
+    # Listener bounds (kvxferd.listeners): gRPC peer port connections (0: from max_peers and
+    # RLIMIT_NOFILE); framed streams before their Hello (over it the oldest stranger is evicted).
     max_peer_connections: int = 0
     max_unauthenticated_streams: int = 64
     # Fleet registry ([registry] table in the file; KVXFERD_REGISTRY_* in the environment).

@@ -78,6 +78,10 @@ def listener_caps(config: Config, nofile: int) -> ListenerCaps:
     share = max(16, nofile // 6)
     peer = config.max_peer_connections or min(2 * config.max_peers + 64, share)
     unauth = min(config.max_unauthenticated_streams, share)
+    if share < 2 * config.max_peers + 16:
+        logger.warning("RLIMIT_NOFILE is %d: the peer listeners are held to %d connections, fewer than "
+                       "max_peers = %d needs; raise the limit (LimitNOFILE=, ulimit -n) for a fleet that "
+                       "large", nofile, share, config.max_peers)
     return ListenerCaps(
         nofile=nofile,
         peer_connections=peer,

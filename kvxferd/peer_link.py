@@ -251,16 +251,17 @@ class PeerLink:
             self.last_rx = time.monotonic()
         self._close(session)
 
-    def framed_cut(self, session: Session, why: str) -> bool:
+    def framed_cut(self, session: Session, why: str, redial: Callable[[], Any]) -> bool:
         """Whether `session`, our framed stream, ended before the peer took it up (its framed port
         cut or refused it: strangers at its cap of streams before a Hello, say); if so it is
-        dropped, and the Session RPC serves the pair for FRAMED_RETRY_S."""
+        dropped, `redial` opens the next, and the Session RPC serves the pair for FRAMED_RETRY_S."""
         if session.kind != "framed" or not session.ours or session.heard or self.session is not session:
             return False
         logger.warning("control stream with %s (%s): %s before it was taken up; using the gRPC Session "
                        "stream", self.daemon_id, self.address, why)
         self.framed_failed_at = time.monotonic()
         self.drop(session)
+        redial()
         return True
 
     def race(self, low: bool, now: float, recent_s: float) -> str:

@@ -221,9 +221,8 @@ class PeerManager:
             logger.info("control stream with %s (%s): the peer keeps the one it dialed", h.daemon_id, h.address)
             h.drop(session)
             return
-        if h.framed_cut(session, why):  # not a loss: the Session RPC carries the pair instead
-            self._spawn(self.connect(h.address), f"Session stream with {h.address}")
-        elif h.session is session and not session.closed:
+        if h.session is session and not session.closed and not h.framed_cut(  # (then not a loss)
+                session, why, lambda: self._spawn(self.connect(h.address), f"Session stream with {h.address}")):
             self.lost(h, why)
         if refused is not None and reraise:
             raise refused
@@ -518,4 +517,3 @@ class PeerManager:
                 self._inbox.on_peer_gone(h, old)
         else:
             self._next_dial.pop(addr, None)
-

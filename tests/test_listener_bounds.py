@@ -15,16 +15,20 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
 from kvxfer_client import PrefillSender
+from kvxferd.config import Config
 from kvxferd.lane import LANE_SUFFIX, REPLY, REQUEST
+from kvxferd.metrics import Metrics
+from kvxferd.peer_link import PeerLink, Session
 from kvxferd.peer_wire import BATCH, FRAME
 from tests.conftest import DaemonProc
 from tests.faults.harness import launch, wait_until
-from tests.peer_client import LAYOUT, Wire, one_room, peer_streams, running
+from tests.peer_client import LAYOUT, Wire, closed_port, one_room, peer_streams, running
 
 NOFILE = 1024
 # Runs the daemon's command line with RLIMIT_NOFILE (soft and hard) at NOFILE.
@@ -127,7 +131,7 @@ def _call(name: str, call_id: int, body: bytes = b"", length: int | None = None)
 
 def _replies(s: socket.socket, n: int) -> list[int]:
     """The status codes of the next n lane replies."""
-    buf, codes = b"", []
+    buf, codes = b"", list[int]()
     while len(codes) < n:
         while len(buf) >= REPLY.size:
             length, _, code = REPLY.unpack_from(buf)
@@ -221,3 +225,29 @@ def test_undecodable_requests_are_invalid_argument_without_tracebacks(fleet: dic
     assert len(added) < 20, f"{len(added)} log lines for 150 undecodable requests"
     assert any("undecodable" in line for line in added), "a summary line names what was refused"
 
+
+
+async def test_a_framed_stream_cut_before_it_was_taken_up_turns_the_pair_to_the_session_rpc() -> None:
+    # What a dialer does when the peer's framed port evicts or refuses its stream before taking it
+    # up (the daemons above never get there: strangers evict each other first).
+    link = PeerLink("127.0.0.1:1", Config(heartbeat_interval_s=30.0), Metrics())
+    link.up, link.daemon_id, link.stream_address = True, "peer", f"127.0.0.1:{closed_port()}"
+
+    async def write(batch: Any) -> None:
+        pass
+
+    taken = Session(write, lambda: None, "framed", ours=True)
+    link.attach(taken)
+    taken.hear()
+    redials: list[int] = []
+    assert not link.framed_cut(taken, "closed", lambda: redials.append(1)), "a taken-up stream is a loss"
+    grpc_stream = Session(write, lambda: None, "grpc", ours=True)
+    link.attach(grpc_stream)
+    assert not link.framed_cut(grpc_stream, "closed", lambda: redials.append(1)) and not redials
+    cut = Session(write, lambda: None, "framed", ours=True)
+    link.attach(cut)
+    assert link.framed_cut(cut, "control stream closed", lambda: redials.append(1))
+    assert link.session is None and cut.closed and redials == [1]
+    # The next stream is the Session RPC: the framed port is not even dialed.
+    assert await link._dial_framed(Config(), None) is None  # type: ignore[arg-type]
+    await link.close()
