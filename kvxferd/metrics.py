@@ -26,15 +26,21 @@ OTHER_PEERS = "(other)"
 
 
 class PeerSeries:
-    """Series labelled with a peer's daemon id, a name the peer chose: at most `cap` peers have
-    their own at a time, later ones share peer="(other)" (counted, not lost), and a forgotten
-    peer's series go with it (PeerManager), so ids that come and go cannot grow /metrics for ever."""
+    """Series labelled with a peer's daemon id, a name the peer chose: only peers in the peer
+    table (`admit`ted at handshake) and at most `cap` of them have their own at a time, the rest
+    share peer="(other)" (counted, not lost), and a forgotten peer's series go with it
+    (PeerManager), so ids that come and go cannot grow /metrics for ever; nor can a late event of
+    a peer already forgotten bring its series back."""
 
     def __init__(self, cap: int = 256) -> None:
         self.cap = cap
         # (metric, peer, other label values) -> child: one dict lookup per chunk.
         self._children: dict[tuple[Any, str, tuple[str, ...]], Any] = {}
-        self._peers: set[str] = set()
+        self._peers: set[str] = set()  # those with series
+        self._known: set[str] = set()
+
+    def admit(self, peer: str) -> None:
+        self._known.add(peer)
 
     def labels(self, metric: Any, peer: str, *more: str) -> Any:
         """`metric`'s child for `peer` and the rest of its label values, in the metric's order."""
@@ -42,7 +48,8 @@ class PeerSeries:
         got = self._children.get(key)
         if got is not None:
             return got
-        if peer != OTHER_PEERS and peer not in self._peers and len(self._peers) >= self.cap:
+        if peer != OTHER_PEERS and peer not in self._peers and (len(self._peers) >= self.cap
+                                                                or peer not in self._known):
             return self.labels(metric, OTHER_PEERS, *more)
         child = self._children[key] = metric.labels(peer, *more)
         if peer != OTHER_PEERS:
@@ -50,6 +57,7 @@ class PeerSeries:
         return child
 
     def forget(self, peer: str) -> None:
+        self._known.discard(peer)
         if peer == OTHER_PEERS or peer not in self._peers:
             return
         self._peers.discard(peer)

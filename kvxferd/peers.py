@@ -368,6 +368,7 @@ class PeerManager:
         h.up = True
         h.last_rx = time.monotonic()
         self._by_id[ref.daemon_id] = h
+        self._metrics.peer_series.admit(ref.daemon_id)
         self._refresh()
         logger.info("peer %s (%s) is up, NIXL agent %s", ref.daemon_id, h.address, h.agent_name)
 
