@@ -56,8 +56,8 @@ MAX_CALLS_PER_CONNECTION = 1024
 TURN_CALLS = 64
 TURN_S = 0.005
 # The largest frame a connection may send before one call of it was served: what a stranger can
-# make one connection buffer (an engine's first calls are small).
-UNPROVEN_FRAME = 256 << 10
+# make one connection buffer (an engine's first call is small; a batch of ~10k chunks would fit).
+UNPROVEN_FRAME = 1 << 20
 # What every lane connection together may hold in incomplete frames, in frames of the largest size:
 # over it, the connection holding the most is closed.
 BUFFERED_FRAMES = 8

@@ -78,7 +78,7 @@ def listener_caps(config: Config, nofile: int) -> ListenerCaps:
     share = max(16, nofile // 6)
     peer = config.max_peer_connections or min(2 * config.max_peers + 64, share)
     unauth = min(config.max_unauthenticated_streams, share)
-    if share < 2 * config.max_peers + 16:
+    if share < config.max_peers + 16:  # (each peer holds one connection to the peer port)
         logger.warning("RLIMIT_NOFILE is %d: the peer listeners are held to %d connections, fewer than "
                        "max_peers = %d needs; raise the limit (LimitNOFILE=, ulimit -n) for a fleet that "
                        "large", nofile, share, config.max_peers)
