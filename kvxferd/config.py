@@ -54,7 +54,7 @@ def parse_size(value: object) -> int:
 PEER_BATCH_MSGS = 4096
 # Shortest shared peer secret accepted (bytes, surrounding whitespace removed).
 MIN_SECRET_BYTES = 16
-PEER_AUTH_MODES = ("mtls", "secret", "none-loopback", "insecure")
+PEER_AUTH_MODES = ("mtls", "secret", "host-secret", "insecure")
 POOL_BACKINGS = ("auto", "private", "shm_dir", "huge_dir")
 
 
@@ -171,7 +171,9 @@ class Config:
     # Re-read when it changes; the previous secret is still accepted for peer_secret_overlap_s.
     peer_secret_file: str = ""
     peer_secret_overlap_s: float = 120.0
-    # Allow unauthenticated peers on a non-loopback peer_listen (no mTLS, no secret).
+    # The default peer proof, this uid's host secret (kvxferd/host_secret.py); "" = ~/.kvxferd/host-secret.
+    host_secret_file: str = ""
+    # Allow unauthenticated peers (no mTLS, no secret), on loopback too: an explicit opt-in.
     insecure_peers: bool = False
     # Peer-side caps: refused with RESOURCE_EXHAUSTED, shown in status and kvxferd_cap_* metrics.
     # 2,048: every daemon of a 1,000-node prefill/decode mesh, twice (ids that left linger until
@@ -288,9 +290,8 @@ class Config:
         if self.peer_secret_file:
             read_secret_file(self.peer_secret_file)
         if self.peer_auth_mode == "insecure" and not self.insecure_peers:
-            raise ConfigError(
-                f"peer_listen {self.peer_listen} is not loopback and peers are not authenticated: set "
-                "tls_client_auth (mTLS with tls_ca), peer_secret_file, or insecure_peers = true")
+            raise ConfigError(f"peer_listen {self.peer_listen} is not loopback and peers are not authenticated: set "
+                              "tls_client_auth (mTLS with tls_ca), peer_secret_file, or insecure_peers = true")
         if not 0 <= self.peer_secret_overlap_s <= 86400:
             raise ConfigError(f"peer_secret_overlap_s must be 0..86400, got {self.peer_secret_overlap_s}")
         if not 1 <= self.max_peers <= 65536:
@@ -324,7 +325,7 @@ class Config:
             return "mtls"
         if self.peer_secret_file:
             return "secret"
-        return "none-loopback" if loopback_listen(self.peer_listen) else "insecure"
+        return "host-secret" if loopback_listen(self.peer_listen) and not self.insecure_peers else "insecure"
 
     def _validate_registry(self) -> None:
         if self.registry_backend not in ("none", "etcd"):

@@ -142,7 +142,7 @@ class Metrics:
         self.cap_used = Gauge("kvxferd_cap_used", "Use of each cap", ["cap"], registry=r)
         self.cap_limit = Gauge("kvxferd_cap_limit", "Limit of each cap", ["cap"], registry=r)
         self.peer_auth_mode = Gauge("kvxferd_peer_auth_mode", "How peers authenticate: 1 on the mode in use "
-                                    "(mtls, secret, none-loopback, insecure)", ["mode"], registry=r)
+                                    "(mtls, secret, host-secret, insecure)", ["mode"], registry=r)
         self.peer_refusals = Counter("kvxferd_peer_refusals", "Peer requests refused before touching any state",
                                      ["reason"], registry=r)
         # Fleet registry (etcd): 1 while this daemon's record is published and the watch runs;

@@ -5,16 +5,26 @@ before anything a peer claims is believed.
   `kvxferd://daemon/<id>`; a certificate with no such URI names its subject CN. A Handshake,
   Session Hello or Heartbeat claiming another id is refused, and a daemon dialing out checks that
   the server's certificate names the id its handshake reply claims.
-- Shared secret (`peer_secret_file`): the handshake request carries an HMAC-SHA256 over the
-  sender's daemon id, instance id, address, NIXL agent name, a digest of its NIXL metadata, a
-  fresh nonce and a timestamp; the reply carries the responder's own HMAC over the same for its
-  side plus both nonces, so both sides authenticate. A Session Hello carries an HMAC over its
+  A certificate that carries any URI SAN is judged by its URIs alone: its CN is used only when
+  it has no URI SAN at all (a certificate naming `spiffe://...` and the victim's id in its CN
+  names nobody), so an id cannot be borrowed from a CN that a URI-issuing CA never checked.
+- Shared secret (`peer_secret_file`, or by default the per-host secret of the daemon's uid,
+  kvxferd.host_secret, mode `host-secret`): a handshake takes two round trips. The first
+  (Challenge) returns the responder's instance id and a fresh single-use challenge nonce and
+  nothing else. The handshake request then carries an HMAC-SHA256 over the sender's daemon id,
+  instance id, address, NIXL agent name, a digest of its NIXL metadata, a fresh nonce, a
+  timestamp, and the responder's instance id and challenge: a captured request is worthless once
+  that challenge is used, expired, or the responder restarted (a new instance never issued it),
+  which a nonce cache dying with the process could not promise. The reply carries the
+  responder's own HMAC over the same for its side plus both nonces, so both sides authenticate.
+  Nothing else (no NIXL metadata, no peer-table change, a claimed restart of a known daemon
+  included) happens before the request's proof holds. A Session Hello carries an HMAC over its
   sender and both nonces of a handshake the receiver completed with that exact instance.
   Rotation: a changed file is re-read; the previous secret is still accepted for
   `peer_secret_overlap_s`. A requester signs with its newest secret and, if refused, once more with
   the previous one (the peer may not be rotated yet); a responder answers with the secret that
   verified the request.
-- Neither: plaintext peers are accepted on a loopback peer_listen, or with `insecure_peers`.
+- `insecure` (only with `insecure_peers = true`, loopback or not): plaintext peers, no proof.
 
 Refusals are counted (kvxferd_peer_refusals) and logged at most once per LOG_EVERY_S.
 """
@@ -30,10 +40,13 @@ import os
 import secrets
 import ssl
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from kvxferd.config import Config, ConfigError, read_secret_file, split_hostport
+from kvxfer_client._pb.kvxfer.v1 import peer_pb2
+from kvxferd import host_secret
+from kvxferd.config import PEER_AUTH_MODES, Config, ConfigError, read_secret_file, split_hostport
 from kvxferd.domain import DaemonRef
 from kvxferd.errors import PermissionDenied
 from kvxferd.metrics import Metrics
@@ -45,8 +58,10 @@ CERT_ID_PREFIX = "kvxferd://daemon/"
 MAX_SKEW_S = 60.0
 LOG_EVERY_S = 10.0
 NONCE_BYTES = 16
-# Handshake nonces seen within the skew window, so a captured request cannot be replayed.
-_REPLAY_CACHE = 8192
+# Challenges issued and not yet used: how many at most (the oldest goes first) and for how long.
+# A flood of Challenge calls can only evict challenges (a legitimate requester then retries).
+_CHALLENGES = 4096
+CHALLENGE_TTL_S = 30.0
 # How often the secret file is stat'ed for a rotation, at most.
 _STAT_EVERY_S = 1.0
 
@@ -57,6 +72,15 @@ class PeerCreds:
     when no certificate was checked (not mTLS)."""
 
     cert_ids: frozenset[str] | None = None
+
+
+@dataclass(frozen=True)
+class Challenge:
+    """What a responder chose for one handshake (peer.proto ChallengeReply): the request's proof
+    must cover both, so it is good for this instance and this one handshake only."""
+
+    instance_id: str = ""
+    nonce: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -92,8 +116,9 @@ def ids_from_peercert(cert: Mapping[str, object]) -> frozenset[str]:
 
 
 def _cert_ids(uris: Sequence[str], cns: Sequence[str]) -> frozenset[str]:
-    ids = frozenset(u[len(CERT_ID_PREFIX):] for u in uris if u.startswith(CERT_ID_PREFIX))
-    return ids or frozenset(cns)
+    if uris:  # (any URI SAN, ours or not: the CN is not a fallback then)
+        return frozenset(u[len(CERT_ID_PREFIX):] for u in uris if u.startswith(CERT_ID_PREFIX))
+    return frozenset(cns)
 
 
 def client_tls_context(config: Config) -> ssl.SSLContext:
@@ -123,11 +148,12 @@ class _Secret:
     """The shared secret, re-read when its file changes; the previous one stays valid for the
     overlap so that a fleet can be rotated one node at a time."""
 
-    def __init__(self, path: str, overlap_s: float) -> None:
+    def __init__(self, path: str, overlap_s: float, read: Callable[[str], bytes] = read_secret_file) -> None:
         self._path = path
         self._overlap = overlap_s
+        self._read = read
+        self._current = read(path)  # (first: the host secret may not exist before this)
         self._stamp = self._stat()
-        self._current = read_secret_file(path)
         self._previous: bytes | None = None
         self._previous_until = 0.0
         self._checked = time.monotonic()
@@ -151,7 +177,7 @@ class _Secret:
             stamp = self._stat()
             if stamp == self._stamp:
                 return
-            fresh = read_secret_file(self._path)
+            fresh = self._read(self._path)
         except (OSError, ConfigError) as exc:
             logger.error("peer secret not reloaded, the current one stays in use: %s", exc)
             return
@@ -167,11 +193,17 @@ class PeerAuth:
         self.mode = config.peer_auth_mode
         self._config = config
         self._metrics = metrics
-        self._secret = _Secret(config.peer_secret_file, config.peer_secret_overlap_s) if self.mode == "secret" else None
-        self._seen: collections.OrderedDict[bytes, float] = collections.OrderedDict()
+        self._secret: _Secret | None = None
+        if self.mode == "secret":
+            self._secret = _Secret(config.peer_secret_file, config.peer_secret_overlap_s)
+        elif self.mode == "host-secret":
+            path = config.host_secret_file or host_secret.default_path()
+            self._secret = _Secret(path, config.peer_secret_overlap_s, host_secret.load)
+            logger.info("peers authenticate with the host secret of uid %d at %s", os.geteuid(), path)
+        self._challenges: collections.OrderedDict[bytes, float] = collections.OrderedDict()
         self._log_at = 0.0
         self._unlogged = 0
-        for mode in ("mtls", "secret", "none-loopback", "insecure"):
+        for mode in PEER_AUTH_MODES:
             metrics.peer_auth_mode.labels(mode=mode).set(1 if mode == self.mode else 0)
 
     @property
@@ -226,16 +258,38 @@ class PeerAuth:
         """Secrets to try, newest first ([b""] without a secret: one attempt, no proof)."""
         return self._keys() if self._secret is not None else [b""]
 
-    def request_proof(self, me: DaemonRef, agent: str, metadata: bytes, key: bytes) -> Proof | None:
+    def challenge(self) -> bytes:
+        """A fresh single-use nonce for one handshake with this instance (the Challenge RPC)."""
+        now = time.monotonic()
+        while self._challenges and (next(iter(self._challenges.values())) < now
+                                    or len(self._challenges) >= _CHALLENGES):
+            self._challenges.popitem(last=False)
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        self._challenges[nonce] = now + CHALLENGE_TTL_S
+        return nonce
+
+    async def challenge_of(self, stub: Any, timeout: float) -> Challenge:
+        """The responder's challenge (a Peer stub's Challenge RPC); none needed without a secret."""
+        if self._secret is None:
+            return Challenge()
+        c = await stub.Challenge(peer_pb2.ChallengeRequest(), timeout=timeout)
+        return Challenge(c.instance_id, bytes(c.nonce))
+
+    def request_proof(self, me: DaemonRef, agent: str, metadata: bytes, key: bytes,
+                      challenge: Challenge) -> Proof | None:
         if self._secret is None:
             return None
         nonce, ms = secrets.token_bytes(NONCE_BYTES), int(time.time() * 1000)
-        mac = _mac(key, "kvxferd/1 handshake", me.daemon_id, me.instance_id, me.address, agent,
-                   _digest(metadata), nonce, ms)
-        return Proof(nonce, ms, mac)
+        mac = _mac(key, "kvxferd/2 handshake", me.daemon_id, me.instance_id, me.address, agent,
+                   _digest(metadata), nonce, ms, challenge.instance_id, challenge.nonce)
+        return Proof(nonce, ms, mac, challenge.nonce)
 
-    def verify_request(self, ref: DaemonRef, agent: str, metadata: bytes, proof: Proof | None) -> tuple[bytes, bytes]:
-        """The requester's nonce and the secret it used, once its proof holds; PermissionDenied otherwise."""
+    def verify_request(self, ref: DaemonRef, agent: str, metadata: bytes, proof: Proof | None,
+                       my_instance: str) -> tuple[bytes, bytes]:
+        """The requester's nonce and the secret it used, once its proof holds and covers a
+        challenge this instance issued and nobody used yet; PermissionDenied otherwise. Called
+        before anything else: a claimed restart of a known daemon needs it as much as a first
+        handshake does."""
         if self._secret is None:
             return b"", b""
         if proof is None or len(proof.nonce) != NONCE_BYTES:
@@ -243,22 +297,17 @@ class PeerAuth:
         now = time.time()
         if abs(now - proof.unix_ms / 1000) > MAX_SKEW_S:
             raise PermissionDenied(f"handshake timestamp is more than {MAX_SKEW_S:.0f} s from this daemon's clock")
+        expires = self._challenges.get(proof.peer_nonce)
+        if expires is None or expires < time.monotonic():
+            raise PermissionDenied("handshake challenge unknown, expired or used: ask for a new one (a replay?)")
         key = next((k for k in self._keys() if hmac.compare_digest(proof.mac, _mac(
-            k, "kvxferd/1 handshake", ref.daemon_id, ref.instance_id, ref.address, agent, _digest(metadata),
-            proof.nonce, proof.unix_ms))), None)
+            k, "kvxferd/2 handshake", ref.daemon_id, ref.instance_id, ref.address, agent, _digest(metadata),
+            proof.nonce, proof.unix_ms, my_instance, proof.peer_nonce))), None)
         if key is None:
             raise PermissionDenied("handshake proof does not match the peer secret")
-        self._fresh(proof.nonce, now)
+        # Used once only; a wrong proof above leaves it for the requester's retry with its previous secret.
+        del self._challenges[proof.peer_nonce]
         return proof.nonce, key
-
-    def _fresh(self, nonce: bytes, now: float) -> None:
-        while self._seen and next(iter(self._seen.values())) < now:
-            self._seen.popitem(last=False)
-        if nonce in self._seen:
-            raise PermissionDenied("handshake replayed")
-        self._seen[nonce] = now + 2 * MAX_SKEW_S
-        if len(self._seen) > _REPLAY_CACHE:
-            self._seen.popitem(last=False)
 
     def reply_proof(self, me: DaemonRef, agent: str, metadata: bytes, requester: DaemonRef,
                     their_nonce: bytes, key: bytes) -> tuple[Proof | None, Binding]:
@@ -270,10 +319,13 @@ class PeerAuth:
         return Proof(nonce, 0, mac, their_nonce), (their_nonce, nonce, key)
 
     def verify_reply(self, ref: DaemonRef, agent: str, metadata: bytes, me: DaemonRef, sent: Proof | None,
-                     key: bytes, proof: Proof | None) -> Binding:
-        """The responder must answer with the secret our request was signed with."""
+                     key: bytes, proof: Proof | None, challenge: Challenge | None = None) -> Binding:
+        """The responder must answer with the secret our request was signed with, as the
+        instance that challenged us."""
         if self._secret is None or sent is None:
             return NO_BINDING
+        if challenge is not None and challenge.instance_id != ref.instance_id:
+            raise PermissionDenied(f"peer {ref.daemon_id[:100]!r} answered as another instance than it challenged as")
         if proof is None or proof.peer_nonce != sent.nonce or len(proof.nonce) != NONCE_BYTES:
             raise PermissionDenied(f"peer {ref.daemon_id[:100]!r} did not prove it holds the peer secret")
         want = _mac(key, "kvxferd/1 handshake reply", ref.daemon_id, ref.instance_id, ref.address, agent,

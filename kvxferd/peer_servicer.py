@@ -31,7 +31,7 @@ from kvxferd.transport import Transport
 
 logger = logging.getLogger(__name__)
 
-PEER_UNARY = ("Handshake", "Heartbeat")
+PEER_UNARY = ("Challenge", "Handshake", "Heartbeat")
 # The largest first frame a framed stream may send before its Hello is accepted: a Hello (ids, an
 # address, a proof) is well under 1 KiB; a bigger frame before it is a protocol error.
 MAX_HELLO_FRAME = 16 << 10
@@ -66,6 +66,10 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
 
     def _me(self) -> peer_pb2.DaemonRef:
         return daemon_ref_pb(self._m.me)
+
+    async def Challenge(self, request: peer_pb2.ChallengeRequest, context: grpc.aio.ServicerContext) -> peer_pb2.ChallengeReply:
+        # Our instance id and a nonce: nothing a caller who has not proven itself could use.
+        return peer_pb2.ChallengeReply(instance_id=self._m.ident.instance_id, nonce=self._m.auth.challenge())
 
     async def Handshake(self, request: peer_pb2.HandshakeRequest, context: grpc.aio.ServicerContext) -> peer_pb2.HandshakeReply:
         proof, metadata = await self._m.accept_handshake(

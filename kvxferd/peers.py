@@ -141,9 +141,9 @@ class PeerManager:
     async def handshake(self, h: PeerLink) -> None:
         epoch = self.ident.md_epoch
         agent, metadata = self._transport.name, self._transport.metadata()
-        keys = self.auth.signing_keys()
+        keys, challenge = self.auth.signing_keys(), await self.auth.challenge_of(h.stub, CONTROL_TIMEOUT_S)
         for i, key in enumerate(keys):
-            sent = self.auth.request_proof(self.me, agent, metadata, key)
+            sent = self.auth.request_proof(self.me, agent, metadata, key, challenge)
             try:
                 reply = await h.stub.Handshake(
                     peer_pb2.HandshakeRequest(sender=self._me, agent_name=agent, nixl_metadata=metadata,
@@ -159,7 +159,7 @@ class PeerManager:
         self.limits.metadata(len(their_md))
         # The server's certificate must name the daemon it claims to be (mTLS).
         self.auth.check_claim(await self.auth.server_ids(h.address, CONTROL_TIMEOUT_S), ref.daemon_id)
-        binding = self.auth.verify_reply(ref, reply.agent_name, their_md, self.me, sent, key, proof_of(reply))
+        binding = self.auth.verify_reply(ref, reply.agent_name, their_md, self.me, sent, key, proof_of(reply), challenge)
         await self.adopt(h, ref, reply.agent_name, their_md)
         self._bind(ref.daemon_id, binding)
         h.md_epoch_sent = epoch
@@ -250,7 +250,7 @@ class PeerManager:
         if not _valid_hostport(ref.address):
             raise InvalidArgument(f"sender.address must be HOST:PORT, got {ref.address[:100]!r}")
         self.auth.check_claim(creds, ref.daemon_id)
-        their_nonce, key = self.auth.verify_request(ref, agent, metadata, proof)
+        their_nonce, key = self.auth.verify_request(ref, agent, metadata, proof, self.ident.instance_id)
         # Claiming the address of another daemon that is up would re-bind its link (failing its
         # rooms, pointing its NIXL agent elsewhere): only a daemon gone silent can be replaced.
         known = self._by_address.get(ref.address)

@@ -22,7 +22,7 @@ from kvxfer_client._pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc, peer_pb2, p
 from kvxferd.config import load_config
 from kvxferd.domain import DaemonRef
 from kvxferd.metrics import Metrics
-from kvxferd.peer_auth import Binding, PeerAuth, Proof
+from kvxferd.peer_auth import Binding, Challenge, PeerAuth, Proof
 from kvxferd.peer_link import proof_of, proof_pb
 from kvxferd.peer_wire import BATCH, FRAME, REFUSE
 from tests.conftest import DaemonProc, wait_ready
@@ -114,20 +114,27 @@ def code_of(fn: Callable[[], Any]) -> tuple[grpc.StatusCode, str]:
 
 
 class Client:
-    """A hostile (or, with the right secret, legitimate) peer made by hand."""
+    """A hostile (or, with the right secret, legitimate) peer made by hand. Without a secret it
+    is a local user who cannot read the host secret: no proofs at all."""
 
     def __init__(self, d: DaemonProc, secret: bytes | None, tmp: Path) -> None:
         path = secret_file(tmp, f"client-{secrets.token_hex(4)}", secret) if secret else None
         cfg = load_config(None, env={}, overrides={"socket": str(tmp / "c.sock"), "metrics_port": -1,
-                                                   "peer_secret_file": str(path) if path else ""})
+                                                   "peer_secret_file": str(path) if path else "",
+                                                   "insecure_peers": path is None})
         self.auth = PeerAuth(cfg, Metrics())
         self.channel = grpc.insecure_channel(d.peer_address)
         self.stub = peer_pb2_grpc.PeerStub(self.channel)
 
+    def challenge(self) -> Challenge:
+        c = self.stub.Challenge(peer_pb2.ChallengeRequest(), timeout=10)
+        return Challenge(c.instance_id, bytes(c.nonce))
+
     def request(self, ref: DaemonRef, agent: str, md: bytes, key: bytes | None = None,
-                proof: Proof | None = None) -> peer_pb2.HandshakeRequest:
+                proof: Proof | None = None, challenge: Challenge | None = None) -> peer_pb2.HandshakeRequest:
+        """A HandshakeRequest; with `key`, its proof covers `challenge` (a fresh one if None)."""
         if proof is None and key is not None:
-            proof = self.auth.request_proof(ref, agent, md, key)
+            proof = self.auth.request_proof(ref, agent, md, key, challenge or self.challenge())
         return peer_pb2.HandshakeRequest(
             sender=peer_pb2.DaemonRef(daemon_id=ref.daemon_id, instance_id=ref.instance_id, address=ref.address),
             agent_name=agent, nixl_metadata=md, version="test", proof=proof_pb(proof))

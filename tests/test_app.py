@@ -90,7 +90,7 @@ async def test_status_cli_against_daemon(inproc: Any) -> None:
     assert proc[0] == 0, proc
     data = json.loads(proc[1])
     assert data["daemon_id"] == d.daemon_id and data["serving"] is True
-    assert data["peer_auth"] == "none-loopback"
+    assert data["peer_auth"] == "host-secret"
     # The caps are the config's defaults (a 1,000-node mesh fits max_peers), not other numbers.
     cfg = Config()
     assert {c["name"]: int(c["limit"]) for c in data["peer_caps"]} == {
@@ -98,7 +98,7 @@ async def test_status_cli_against_daemon(inproc: Any) -> None:
         "peer_metadata_bytes": cfg.max_peer_metadata_bytes, "peer_batch_msgs": cfg.max_peer_batch_msgs}
     assert cfg.max_peers >= 2000
     proc = await _run_cli("status", "--socket", d.socket)
-    assert proc[0] == 0 and "rooms by state" in proc[1] and "peer caps" in proc[1] and "none-loopback" in proc[1]
+    assert proc[0] == 0 and "rooms by state" in proc[1] and "peer caps" in proc[1] and "host-secret" in proc[1]
 
 
 async def _run_cli(*args: str) -> tuple[int, str, str]:

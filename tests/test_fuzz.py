@@ -200,6 +200,8 @@ def world() -> Iterator[World]:
         "socket": str(short / "d.sock"), "peer_listen": "127.0.0.1:0", "metrics_port": -1,
         "host_pool_bytes": "8MiB", "daemon_id": "fuzzd", "heartbeat_interval_s": 1.0, "engine_lease_s": 3600,
         "room_deadline_s": 5, "drain_grace_s": 1,
+        # Unauthenticated on purpose: the fuzz reaches past the handshake (test_fuzz_peer fuzzes proofs).
+        "insecure_peers": True,
     })
     peer = FakePeer()
     assert daemon.info is not None

@@ -318,7 +318,7 @@ def _proof(w: World, kind: str, client: Client, ref: DaemonRef, md: bytes) -> Pr
         return Proof(secrets.token_bytes(16), 0, secrets.token_bytes(32), secrets.token_bytes(16))
     liar = w.liar
     if client is liar or kind == "OTHER_SECRET":
-        return liar.auth.request_proof(ref, w.agent.name, md, liar.auth.signing_keys()[0])
+        return liar.auth.request_proof(ref, w.agent.name, md, liar.auth.signing_keys()[0], liar.challenge())
     return None
 
 

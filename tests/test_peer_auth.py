@@ -1,5 +1,6 @@
 """Peer trust without mTLS: the shared-secret handshake (HMAC both ways, Hello bound to the
-handshake, replay and clock checks, rotation), the auth modes and their config errors, the
+handshake, replay and clock checks, rotation), the default per-host secret (a local user who
+cannot read it gets nothing and fails no room), the auth modes and their config errors, the
 peer-side caps, and a flood of garbage handshakes that must leave nothing behind.
 
 Real subprocess daemons, real gRPC and NIXL over loopback; the hostile client is this process
@@ -25,10 +26,11 @@ import grpc
 import pytest
 
 from kvxfer_client import DecodeReceiver, RoomFailed
-from kvxfer_client._pb.kvxfer.v1 import peer_pb2
+from kvxfer_client._pb.kvxfer.v1 import peer_pb2, peer_pb2_grpc
+from kvxferd import host_secret
 from kvxferd.config import Config, ConfigError, load_config
 from kvxferd.domain import DaemonRef
-from kvxferd.peer_auth import Proof
+from kvxferd.peer_auth import Challenge, Proof
 from kvxferd.peer_link import proof_of, proof_pb
 from tests.conftest import ROOT, DaemonProc, daemon_env, spawn_daemon
 from tests.faults.harness import metric
@@ -61,8 +63,9 @@ class Fleet:
 def fleet() -> Iterator[Fleet]:
     """sa, sb  share a secret (sb accepts the previous one for 3 s after a rotation)
     sx      another secret
-    sn      no secret, loopback (none-loopback)
-    sc      no secret, tight caps: 1 peer, 4 KiB of metadata, 1 handshake at a time
+    sn, sm  default settings: the host secret of this uid, shared with no set-up
+    sc      the host secret of "another user" (its own host_secret_file), tight caps: 1 peer,
+            4 KiB of metadata, 1 handshake at a time
     si      listens on 0.0.0.0 with insecure_peers."""
     wd = Path(tempfile.mkdtemp(prefix="kvxa-"))
     secret = secrets.token_hex(24).encode()
@@ -73,7 +76,9 @@ def fleet() -> Iterator[Fleet]:
         "sb": ["--set", f"peer_secret_file={files['sb']}", "--set", "peer_secret_overlap_s=3"],
         "sx": ["--set", f"peer_secret_file={files['sx']}"],
         "sn": [],
-        "sc": ["--set", "max_peers=1", "--set", "max_peer_metadata_bytes=4096", "--set", "max_pending_handshakes=1"],
+        "sm": [],
+        "sc": ["--set", f"host_secret_file={other_user_secret(wd)}", "--set", "max_peers=1",
+               "--set", "max_peer_metadata_bytes=4096", "--set", "max_pending_handshakes=1"],
     }
     procs = {name: spawn_daemon(wd, name, *args, wait=False) for name, args in specs.items()}
     procs["si"] = spawn_daemon(wd, "si", "--set", "insecure_peers=true", wait=False, peer_listen="0.0.0.0:0")
@@ -89,6 +94,13 @@ def agent() -> Iterator[Any]:
     yield from nixl_agent("kvx-auth")
 
 
+def other_user_secret(wd: Path) -> Path:
+    """Where daemon sc keeps its host secret: as another uid's would be, a file sn and sm never read."""
+    home = wd / "other-user"
+    home.mkdir(mode=0o700, exist_ok=True)
+    return home / "host-secret"
+
+
 def failed_room(tx_d: DaemonProc, rx_d: DaemonProc, room: int) -> RoomFailed:
     with DecodeReceiver(socket=rx_d.socket, group=f"x{room}", layout=LAYOUT, ring_bytes=1 << 20) as rx:
         rx.expect(room, tx_d.peer_address, "nobody", 16)
@@ -102,7 +114,8 @@ def failed_room(tx_d: DaemonProc, rx_d: DaemonProc, room: int) -> RoomFailed:
 
 def test_peer_auth_modes_and_their_config_errors(tmp_path: Path) -> None:
     sock = {"socket": str(tmp_path / "s.sock")}
-    assert load_config(None, env={}, overrides=sock).peer_auth_mode == "none-loopback"
+    assert load_config(None, env={}, overrides=sock).peer_auth_mode == "host-secret"
+    assert load_config(None, env={}, overrides={**sock, "insecure_peers": True}).peer_auth_mode == "insecure"
     with pytest.raises(ConfigError, match="not loopback and peers are not authenticated"):
         load_config(None, env={}, overrides={**sock, "peer_listen": "0.0.0.0:7471"})
     insecure = load_config(None, env={}, overrides={**sock, "peer_listen": "0.0.0.0:7471", "insecure_peers": True})
@@ -125,6 +138,40 @@ def test_peer_auth_modes_and_their_config_errors(tmp_path: Path) -> None:
             load_config(None, env={}, overrides={**sock, key: bad})
 
 
+def test_the_host_secret_is_made_private_once_and_refused_when_planted(tmp_path: Path) -> None:
+    """Created 0600 in a 0700 directory, the same bytes for every daemon of the uid (racing ones
+    included); a planted symlink (file or directory), loose modes or a foreign owner are refused."""
+    path = tmp_path / "home" / "host-secret"
+    with futures.ThreadPoolExecutor(8) as pool:
+        got = set(pool.map(lambda _: host_secret.load(str(path)), range(8)))
+    assert len(got) == 1 and len(got.pop()) >= host_secret.MIN_BYTES
+    assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700
+    assert [p.name for p in path.parent.iterdir()] == ["host-secret"], "a temporary file was left behind"
+    planted = tmp_path / "planted"
+    planted.mkdir(mode=0o700)
+    (planted / "host-secret").symlink_to(path)
+    with pytest.raises(ConfigError, match="cannot be opened"):
+        host_secret.load(str(planted / "host-secret"))
+    (tmp_path / "linked").symlink_to(path.parent)
+    with pytest.raises(ConfigError, match=r"directory .* cannot be opened"):
+        host_secret.load(str(tmp_path / "linked" / "host-secret"))
+    path.parent.chmod(0o770)
+    with pytest.raises(ConfigError, match="not group/other-writable"):
+        host_secret.load(str(path))
+    path.parent.chmod(0o700)
+    path.chmod(0o640)
+    with pytest.raises(ConfigError, match="mode 0600"):
+        host_secret.load(str(path))
+    path.chmod(0o600)
+    if os.geteuid() == 0:  # (root can hand the file and the directory to another uid)
+        os.chown(path, 65534, 65534)
+        with pytest.raises(ConfigError, match="owned by uid 0"):
+            host_secret.load(str(path))
+        os.chown(path.parent, 65534, 65534)
+        with pytest.raises(ConfigError, match="owned by uid 65534"):
+            host_secret.load(str(path))
+
+
 def test_a_non_loopback_daemon_without_peer_authentication_refuses_to_start(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "kvxferd", "serve", "--socket", str(tmp_path / "s.sock"),
                         "--peer-listen", "0.0.0.0:0", "--metrics-port", "-1"],
@@ -134,7 +181,7 @@ def test_a_non_loopback_daemon_without_peer_authentication_refuses_to_start(tmp_
 
 
 def test_auth_mode_shows_in_status_metrics_and_log(fleet: Fleet) -> None:
-    for name, mode in (("sa", "secret"), ("sn", "none-loopback"), ("si", "insecure")):
+    for name, mode in (("sa", "secret"), ("sn", "host-secret"), ("si", "insecure")):
         d = fleet.d[name]
         assert status(d).peer_auth == mode, name
         assert metric(d, "kvxferd_peer_auth_mode", f'mode="{mode}"') == 1.0, name
@@ -171,13 +218,18 @@ def test_handshake_proofs_are_checked_both_ways_and_bind_the_session(fleet: Flee
         hs = c.stub.Handshake
         assert code_of(lambda: hs(c.request(me, agent.name, md), timeout=10))[0] == DENIED  # no proof
         assert code_of(lambda: hs(wrong.request(me, agent.name, md, wrong.auth.signing_keys()[0]), timeout=10))[0] == DENIED
-        stale = c.auth.request_proof(me, agent.name, md, key)
+        stale = c.auth.request_proof(me, agent.name, md, key, c.challenge())
         assert stale is not None
-        old = Proof(stale.nonce, stale.unix_ms - 120_000, stale.mac)
+        old = Proof(stale.nonce, stale.unix_ms - 120_000, stale.mac, stale.peer_nonce)
         assert code_of(lambda: hs(c.request(me, agent.name, md, proof=old), timeout=10))[0] == DENIED
         # A proof for other metadata (or another id) does not cover this request.
-        other = c.auth.request_proof(me, agent.name, md + b"x", key)
+        other = c.auth.request_proof(me, agent.name, md + b"x", key, c.challenge())
         assert code_of(lambda: hs(c.request(me, agent.name, md, proof=other), timeout=10))[0] == DENIED
+        # Nor one for a challenge sb never issued, or for another instance of sb.
+        real = c.challenge()
+        for made_up in (Challenge(real.instance_id, secrets.token_bytes(16)), Challenge("other-instance", real.nonce)):
+            code, why = code_of(lambda ch=made_up: hs(c.request(me, agent.name, md, key, challenge=ch), timeout=10))
+            assert code == DENIED, (made_up, code, why)
         assert "hs-client" not in {p.daemon_id for p in status(sb).peers}
         # The real thing: accepted, and the reply proves sb holds the secret too.
         req = c.request(me, agent.name, md, key)
@@ -187,7 +239,8 @@ def test_handshake_proofs_are_checked_both_ways_and_bind_the_session(fleet: Flee
         binding = c.auth.verify_reply(peer, reply.agent_name, bytes(reply.nixl_metadata), me, sent, key, proof_of(reply))
         with pytest.raises(Exception, match="does not match"):
             c.auth.verify_reply(peer, reply.agent_name, bytes(reply.nixl_metadata) + b"x", me, sent, key, proof_of(reply))
-        assert code_of(lambda: hs(req, timeout=10)) == (DENIED, "handshake replayed")
+        code, why = code_of(lambda: hs(req, timeout=10))
+        assert code == DENIED and "challenge unknown, expired or used" in why, (code, why)
 
         def session(proof: Proof | None) -> tuple[grpc.StatusCode, str]:
             hello = peer_pb2.PeerMsg(hello=peer_pb2.Hello(
@@ -237,7 +290,7 @@ def test_secret_rotation_accepts_the_previous_secret_for_the_overlap(fleet: Flee
 
 def test_peer_caps_are_refused_by_name_and_shown(fleet: Fleet, agent: Any, tmp_path: Path) -> None:
     sc = fleet.d["sc"]
-    c = Client(sc, None, tmp_path)
+    c = Client(sc, host_secret.load(str(other_user_secret(fleet.workdir))), tmp_path)
     md = agent.metadata()
     try:
         got = caps(sc)
@@ -247,23 +300,24 @@ def test_peer_caps_are_refused_by_name_and_shown(fleet: Fleet, agent: Any, tmp_p
         big = c.request(DaemonRef("p0", "i", "127.0.0.1:7"), agent.name, b"m" * 5000)
         code, why = code_of(lambda: c.stub.Handshake(big, timeout=10))
         assert code == EXHAUSTED and "peer_metadata_bytes" in why, (code, why)
-        first = c.stub.Handshake(c.request(DaemonRef("p1", "i-0", "127.0.0.1:7"), agent.name, md), timeout=10)
-        code, why = code_of(lambda: c.stub.Handshake(c.request(DaemonRef("p2", "i", "127.0.0.1:8"), agent.name, md),
-                                                     timeout=10))
+        key = c.auth.signing_keys()[0]
+        first = c.stub.Handshake(c.request(DaemonRef("p1", "i-0", "127.0.0.1:7"), agent.name, md, key), timeout=10)
+        code, why = code_of(lambda: c.stub.Handshake(c.request(DaemonRef("p2", "i", "127.0.0.1:8"), agent.name, md,
+                                                               key), timeout=10))
         assert code == EXHAUSTED and "cap peers" in why, (code, why)
         assert {p.daemon_id for p in status(sc).peers} == {"p1"}
         # Concurrent handshakes (p1 restarting over and over): beyond one in progress, refused.
         with futures.ThreadPoolExecutor(16) as pool:
             codes = list(pool.map(lambda i: code_of(lambda: c.stub.Handshake(c.request(
-                DaemonRef("p1", f"i-{i + 1}", "127.0.0.1:7"), agent.name, md), timeout=20)), range(16)))
+                DaemonRef("p1", f"i-{i + 1}", "127.0.0.1:7"), agent.name, md, key), timeout=20)), range(16)))
         refused = [w for k, w in codes if k == EXHAUSTED]
         assert refused and all("pending_handshakes" in w for w in refused), codes
         assert all(k in (OK, EXHAUSTED) for k, _ in codes), codes
         assert caps(sc)["pending_handshakes"] == (0, 1)
         # A batch over max_peer_batch_msgs ends the caller's own stream.
-        last = c.stub.Handshake(c.request(DaemonRef("p1", "i-last", "127.0.0.1:7"), agent.name, md), timeout=10)
-        hello = peer_pb2.PeerMsg(hello=peer_pb2.Hello(sender=peer_pb2.DaemonRef(
-            daemon_id="p1", instance_id="i-last", address="127.0.0.1:7"), peer_instance_id=last.sender.instance_id))
+        p1 = DaemonRef("p1", "i-last", "127.0.0.1:7")
+        last, binding = c.handshake(p1, agent.name, md)
+        hello = c.hello(p1, last.sender.instance_id, binding)
         batches = [peer_pb2.PeerBatch(msgs=[hello]), peer_pb2.PeerBatch(msgs=[peer_pb2.PeerMsg()] * 4097)]
         code, why = code_of(lambda: list(c.stub.Session(iter(batches), timeout=10)))
         assert code == EXHAUSTED and "peer_batch_msgs" in why, (code, why)
@@ -326,7 +380,7 @@ def test_garbage_handshakes_leave_nothing_behind(fleet: Fleet, agent: Any, tmp_p
             elif kind == 2:
                 req = theirs.request(ref, agent.name, meta, bad_key)
             else:
-                p = ours.auth.request_proof(ref, agent.name, meta, key)
+                p = ours.auth.request_proof(ref, agent.name, meta, key, ours.challenge())
                 assert p is not None
                 req = ours.request(ref, agent.name, meta, proof=Proof(p.nonce, p.unix_ms - 600_000, p.mac))
             code, _ = code_of(lambda req=req: ours.stub.Handshake(req, timeout=10))
@@ -356,15 +410,16 @@ def test_garbage_handshakes_leave_nothing_behind(fleet: Fleet, agent: Any, tmp_p
 
 
 def test_handshakes_with_bad_metadata_leave_no_link(fleet: Fleet, tmp_path: Path) -> None:
-    """Without a secret (loopback), a handshake whose NIXL metadata does not load is refused and
-    leaves no link (no gRPC channel, no address) behind: the address count is unchanged. So does
-    a dial to an address where nothing answers."""
+    """With the host secret (the default), a handshake whose NIXL metadata does not load is refused
+    and leaves no link (no gRPC channel, no address) behind: the address count is unchanged. So
+    does a dial to an address where nothing answers."""
     sn = fleet.d["sn"]
-    c = Client(sn, None, tmp_path)
+    c = Client(sn, host_secret.load(host_secret.default_path()), tmp_path)
     before = caps(sn)["peer_addresses"]
     try:
         for i in range(200):
-            req = c.request(DaemonRef(f"bad-{i}", "i", f"10.9.{i}.1:{2000 + i}"), "agent", secrets.token_bytes(100))
+            md = secrets.token_bytes(100)
+            req = c.request(DaemonRef(f"bad-{i}", "i", f"10.9.{i}.1:{2000 + i}"), "agent", md, c.auth.signing_keys()[0])
             assert code_of(lambda req=req: c.stub.Handshake(req, timeout=10))[0] == grpc.StatusCode.INVALID_ARGUMENT
     finally:
         c.close()
@@ -378,3 +433,96 @@ def test_handshakes_with_bad_metadata_leave_no_link(fleet: Fleet, tmp_path: Path
             with pytest.raises(RoomFailed):
                 rx.receive(500 + i, timeout=30)
     assert caps(sn)["peer_addresses"] == before
+
+
+# --------------------------------------------------------------------------- issue #36: the default, replays
+
+
+def test_a_local_user_without_the_host_secret_gets_nothing_and_fails_no_room(fleet: Fleet, agent: Any,
+                                                                             tmp_path: Path) -> None:
+    """Default daemons sn and sm pair with no set-up (the host secret of this uid, 0600). A local
+    user who cannot read it (a client without it, and with root a real other uid that tries to)
+    gets a challenge and nothing else: no NIXL metadata, and a forged restart of sm (its id, a new
+    instance) or a Hello claiming sm's live instance is refused while a room sm -> sn runs,
+    byte-exact. A daemon of "another user" (sc, its own host secret) pairs with neither."""
+    sn, sm, sc = fleet.d["sn"], fleet.d["sm"], fleet.d["sc"]
+    path = host_secret.default_path()
+    st = os.stat(path)
+    assert st.st_uid == os.geteuid() and st.st_mode & 0o777 == 0o600, (path, oct(st.st_mode))
+    if os.geteuid() == 0:
+        from tests.test_security import as_user
+
+        def read_errno() -> int:
+            try:
+                with open(path, "rb"):
+                    return 0
+            except OSError as exc:
+                return exc.errno or 97
+
+        assert as_user(65534, 65534, read_errno) != 0, "another uid can read the host secret"
+    one_room(sn, sm, 40)  # the default pairs, both ways
+    stranger, wrong = Client(sn, None, tmp_path), Client(sn, secrets.token_hex(32).encode(), tmp_path)
+    md = agent.metadata()
+    sm_instance = status_instance(sm)
+    seen: list[tuple[grpc.StatusCode, str]] = []
+
+    def attack() -> None:
+        c = stranger.stub.Challenge(peer_pb2.ChallengeRequest(), timeout=10)
+        assert {f.name for f, _ in c.ListFields()} == {"instance_id", "nonce"}, c
+        for who, addr in (("sm", sm.peer_address), ("intruder", "127.0.0.1:9")):
+            ref = DaemonRef(who, "forged-restart", addr)
+            seen.append(code_of(lambda ref=ref: stranger.stub.Handshake(stranger.request(ref, agent.name, md),
+                                                                        timeout=10)))
+            seen.append(code_of(lambda ref=ref: wrong.stub.Handshake(
+                wrong.request(ref, agent.name, md, wrong.auth.signing_keys()[0]), timeout=10)))
+        hello = stranger.hello(DaemonRef("sm", sm_instance, sm.peer_address), status_instance(sn), None)
+        seen.append(code_of(lambda: list(stranger.stub.Session(iter([peer_pb2.PeerBatch(msgs=[hello])]), timeout=10))))
+
+    try:
+        before, lost0 = {p.daemon_id: p.state for p in status(sn).peers}, sn.log_text().count("restarted")
+        one_room(sm, sn, 41, mid=attack)
+    finally:
+        stranger.close()
+        wrong.close()
+    # Refused: no HandshakeReply, so no NIXL metadata, went to any of them.
+    assert [code for code, _ in seen] == [DENIED] * 5, seen
+    after = {p.daemon_id: p.state for p in status(sn).peers}
+    assert after.get("sm") == before.get("sm") == "up" and "intruder" not in after, (before, after)
+    assert sn.log_text().count("restarted") == lost0, "a forged handshake was taken for sm's restart"
+    for tx, rx in ((sc, sn), (sn, sc)):
+        assert failed_room(tx, rx, 42 if tx is sc else 43).failure_code in ("PEER_LOST", "MISMATCH")
+    assert "sc" not in {p.daemon_id for p in status(sn).peers}
+
+
+def status_instance(d: DaemonProc) -> str:
+    """The daemon's own instance id, as its peers see it."""
+    with grpc.insecure_channel(d.peer_address) as ch:
+        return str(peer_pb2_grpc.PeerStub(ch).Heartbeat(peer_pb2.HeartbeatRequest(), timeout=10).sender.instance_id)
+
+
+def test_a_captured_handshake_is_refused_after_the_responder_restarts(fleet: Fleet, agent: Any,
+                                                                      tmp_path: Path) -> None:
+    """A secret-mode Handshake captured on the wire is refused by the instance that took it, and
+    by the same daemon after a restart (its proof covers the old instance's challenge); a fresh
+    handshake with the restarted daemon works."""
+    args = ("--set", f"peer_secret_file={fleet.files['sa']}")
+    me, md = DaemonRef("replayer", "inst-r", "127.0.0.1:9"), agent.metadata()
+    with running({"sr": spawn_daemon(fleet.workdir, "sr", *args, wait=False)}) as procs:
+        c = Client(procs["sr"], fleet.secret, tmp_path)
+        try:
+            captured = c.request(me, agent.name, md, c.auth.signing_keys()[0])
+            first = c.stub.Handshake(captured, timeout=10).sender.instance_id
+            code, why = code_of(lambda: c.stub.Handshake(captured, timeout=10))
+            assert code == DENIED and "challenge" in why, (code, why)
+        finally:
+            c.close()
+    with running({"sr": spawn_daemon(fleet.workdir, "sr", *args, wait=False)}) as procs:
+        c = Client(procs["sr"], fleet.secret, tmp_path)
+        try:
+            code, why = code_of(lambda: c.stub.Handshake(captured, timeout=10))
+            assert code == DENIED and "challenge unknown, expired or used" in why, (code, why)
+            assert "replayer" not in {p.daemon_id for p in status(procs["sr"]).peers}
+            reply, _ = c.handshake(me, agent.name, md)
+            assert reply.sender.daemon_id == "sr" and reply.sender.instance_id != first
+        finally:
+            c.close()

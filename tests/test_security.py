@@ -215,9 +215,10 @@ def _ca(cn: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
     return key, cert
 
 
-def _leaf(ca_key: ec.EllipticCurvePrivateKey, ca: x509.Certificate, cn: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+def _leaf(ca_key: ec.EllipticCurvePrivateKey, ca: x509.Certificate, cn: str,
+          uri: str = "") -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
     """One certificate per daemon, for both sides of peer channels (server and client auth); it
-    names the daemon id `cn` as a URI SAN, which binds the id to the certificate."""
+    names the daemon id `cn` as a URI SAN (or `uri` instead), which binds the id to the certificate."""
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.timezone.utc)
     cert = (
@@ -226,7 +227,7 @@ def _leaf(ca_key: ec.EllipticCurvePrivateKey, ca: x509.Certificate, cn: str) -> 
         .not_valid_after(now + datetime.timedelta(days=1))
         .add_extension(x509.SubjectAlternativeName([
             x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-            x509.UniformResourceIdentifier(f"kvxferd://daemon/{cn}")]), critical=False)
+            x509.UniformResourceIdentifier(uri or f"kvxferd://daemon/{cn}")]), critical=False)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
                        critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
@@ -255,6 +256,10 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
         key, cert = _leaf(issuer_key, issuer, name)
         _write(pki.key(name), key=key)
         _write(pki.cert(name), cert=cert)
+    # Issue #36 class 8: our CA, the victim's id "pre" in the CN, and a URI SAN naming something else.
+    key, cert = _leaf(ca_key, ca, "pre", uri="spiffe://example.org/ns/x/sa/other")
+    _write(pki.key("uri-other"), key=key)
+    _write(pki.cert("uri-other"), cert=cert)
     return pki
 
 
@@ -466,6 +471,41 @@ def test_a_certificate_binds_the_daemon_id_its_holder_may_claim(fleet: Fleet, pk
             grpc.StatusCode.OK
         ids = _peer_ids(dec)
         assert "attacker" in ids and "D" not in ids, ids
+    finally:
+        ch.close()
+        agent.close()
+
+
+def test_the_cn_does_not_name_a_daemon_when_the_certificate_has_a_uri_san(fleet: Fleet, pki: Pki) -> None:
+    """A certificate of our CA whose CN is "pre" (a daemon dec knows) and whose only URI SAN names
+    something else names no daemon at all: a handshake, Hello or Heartbeat as "pre" is refused on
+    the gRPC port (gRPC's auth context) and a Hello on the framed port (Python ssl's peercert)."""
+    from kvxferd.transport_nixl import NixlTransport
+
+    dec = fleet.d["dec"]
+    agent = NixlTransport(f"kvx-sec-uri-{os.getpid()}", progress_thread=False)
+    client = (pki.cert("uri-other"), pki.key("uri-other"))
+    ch = grpc.secure_channel(dec.peer_address, creds(pki, client=client))
+    try:
+        stub = peer_pb2_grpc.PeerStub(ch)
+        ref = peer_pb2.DaemonRef(daemon_id="pre", instance_id="i-forged", address="127.0.0.1:9")
+        for call in (lambda: stub.Handshake(peer_pb2.HandshakeRequest(
+                        sender=ref, agent_name=agent.name, nixl_metadata=agent.metadata()), timeout=10),
+                     lambda: list(stub.Session(iter([peer_pb2.PeerBatch(msgs=[peer_pb2.PeerMsg(
+                         hello=peer_pb2.Hello(sender=ref))])]), timeout=10)),
+                     lambda: stub.Heartbeat(peer_pb2.HeartbeatRequest(sender=ref), timeout=10)):
+            code, why = _code(call)
+            assert code == grpc.StatusCode.PERMISSION_DENIED and "not named by the peer's certificate []" in why, \
+                (code, why)
+        tls = ssl.create_default_context(cafile=str(pki.ca))
+        tls.load_cert_chain(str(client[0]), str(client[1]))
+        wire = Wire(dec, tls)
+        try:
+            wire.batch(peer_pb2.PeerMsg(hello=peer_pb2.Hello(sender=ref)))
+            code, why = wire.refusal()
+            assert code == PERMISSION_DENIED and "certificate []" in why, (code, why)
+        finally:
+            wire.close()
     finally:
         ch.close()
         agent.close()

@@ -21,6 +21,18 @@ class DaemonRef(_message.Message):
     heartbeat_interval_ms: int
     def __init__(self, daemon_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., address: _Optional[str] = ..., stream_address: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
 
+class ChallengeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ChallengeReply(_message.Message):
+    __slots__ = ("instance_id", "nonce")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    nonce: bytes
+    def __init__(self, instance_id: _Optional[str] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+
 class HandshakeRequest(_message.Message):
     __slots__ = ("sender", "agent_name", "nixl_metadata", "version", "proof")
     SENDER_FIELD_NUMBER: _ClassVar[int]

@@ -39,6 +39,11 @@ class PeerStub:
                 request_serializer=kvxfer_dot_v1_dot_peer__pb2.HandshakeRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_peer__pb2.HandshakeReply.FromString,
                 _registered_method=True)
+        self.Challenge = channel.unary_unary(
+                '/kvxfer.v1.Peer/Challenge',
+                request_serializer=kvxfer_dot_v1_dot_peer__pb2.ChallengeRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_peer__pb2.ChallengeReply.FromString,
+                _registered_method=True)
         self.Session = channel.stream_stream(
                 '/kvxfer.v1.Peer/Session',
                 request_serializer=kvxfer_dot_v1_dot_peer__pb2.PeerBatch.SerializeToString,
@@ -58,6 +63,16 @@ class PeerServicer:
         """Exchanges identities and NIXL agent metadata. Repeated after a restart of
         either side (a new instance_id replaces the old metadata), and when a side's
         registered memory changed (a GPU ring imported or released).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Challenge(self, request, context):
+        """With a peer secret (peer_secret_file or the host secret), the round trip before a
+        Handshake: the responder's instance id and a fresh single-use nonce, nothing else. The
+        Handshake's proof covers both, so a captured one is refused once used, expired, or after
+        the responder restarted.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -89,6 +104,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Handshake,
                     request_deserializer=kvxfer_dot_v1_dot_peer__pb2.HandshakeRequest.FromString,
                     response_serializer=kvxfer_dot_v1_dot_peer__pb2.HandshakeReply.SerializeToString,
+            ),
+            'Challenge': grpc.unary_unary_rpc_method_handler(
+                    servicer.Challenge,
+                    request_deserializer=kvxfer_dot_v1_dot_peer__pb2.ChallengeRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_peer__pb2.ChallengeReply.SerializeToString,
             ),
             'Session': grpc.stream_stream_rpc_method_handler(
                     servicer.Session,
@@ -128,6 +148,33 @@ class Peer:
             '/kvxfer.v1.Peer/Handshake',
             kvxfer_dot_v1_dot_peer__pb2.HandshakeRequest.SerializeToString,
             kvxfer_dot_v1_dot_peer__pb2.HandshakeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Challenge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.Peer/Challenge',
+            kvxfer_dot_v1_dot_peer__pb2.ChallengeRequest.SerializeToString,
+            kvxfer_dot_v1_dot_peer__pb2.ChallengeReply.FromString,
             options,
             channel_credentials,
             insecure,
