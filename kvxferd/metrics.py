@@ -169,12 +169,22 @@ class Metrics:
             self.queue_depth.labels(queue=queue).set(0)
 
 
+# Scrapers use a connection or two at a time: more at once are cut on arrival, so a flood of
+# idle connections (each also cut after 5 s) holds no more fds than this (issue #36).
+MAX_SCRAPE_CONNECTIONS = 64
+
+
 async def start_metrics_server(
     host: str, port: int, registry: CollectorRegistry
 ) -> tuple[asyncio.AbstractServer, int]:
     """A minimal asyncio HTTP endpoint for /metrics (no extra thread, no extra dependency)."""
+    open_now: set[asyncio.StreamWriter] = set()
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(open_now) >= MAX_SCRAPE_CONNECTIONS:
+            writer.transport.abort()
+            return
+        open_now.add(writer)
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
             parts = head.split(b"\r\n", 1)[0].split()
@@ -196,6 +206,7 @@ async def start_metrics_server(
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
             pass
         finally:
+            open_now.discard(writer)
             writer.close()
 
     server = await asyncio.start_server(handle, host, port)
