@@ -32,7 +32,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from kvxfer_client._pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
 from kvxferd import __version__
-from kvxferd.config import Config, loopback_listen
+from kvxferd.config import Config, ConfigError, loopback_listen
 from kvxferd.domain import FailureCode
 from kvxferd.faults import FAULT_CONTROL_SUFFIX, PostDelay, fault_control
 from kvxferd.lane import LANE_SUFFIX, LaneServer
@@ -510,6 +510,6 @@ def run(config: Config, ready_file: str | None = None) -> int:
         runner = asyncio.run
     try:
         return runner(serve(config, ready=_ready, install_signal_handlers=True))
-    except StartupError as exc:
+    except (StartupError, ConfigError) as exc:  # (ConfigError: a host secret refused at start)
         print(f"kvxferd: error: {exc}", file=sys.stderr)
         return 2

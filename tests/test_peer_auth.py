@@ -178,6 +178,14 @@ def test_a_non_loopback_daemon_without_peer_authentication_refuses_to_start(tmp_
                        capture_output=True, text=True, timeout=60, env=daemon_env(), cwd=ROOT)
     assert r.returncode == 2, r
     assert "not loopback and peers are not authenticated" in r.stderr and "insecure_peers" in r.stderr, r.stderr
+    # A loopback daemon whose host secret would sit in a directory others may write: one line, exit 2.
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o777)
+    loose.chmod(0o777)
+    r = subprocess.run([sys.executable, "-m", "kvxferd", "serve", "--socket", str(tmp_path / "h.sock"),
+                        "--metrics-port", "-1", "--set", f"host_secret_file={loose / 'host-secret'}"],
+                       capture_output=True, text=True, timeout=60, env=daemon_env(), cwd=ROOT)
+    assert r.returncode == 2 and "not group/other-writable" in r.stderr.splitlines()[-1], r
 
 
 def test_auth_mode_shows_in_status_metrics_and_log(fleet: Fleet) -> None:
