@@ -47,6 +47,8 @@ def _port_in_use(config: Any) -> str | None:
     import errno
     import socket
 
+    from kvxferd.owned import listen_failure_hint
+
     peer_host = config.peer_listen.rpartition(":")[0]
     wanted = [("peer service (peer_listen)", config.peer_listen),
               ("peer control stream (peer_stream_port)", f"{peer_host}:{config.peer_stream_port}"),
@@ -69,9 +71,11 @@ def _port_in_use(config: Any) -> str | None:
             except OSError as exc:
                 if exc.errno != errno.EADDRINUSE:
                     continue
+                # A port in the ephemeral range may be held by any outgoing connection: say so too.
+                hint = listen_failure_hint(address).partition("? ")[2]
                 return (f"{address} for the {what} is already in use by another process (another kvxferd? "
                         "a second daemon on one host needs its own --socket, --peer-listen and --metrics-port, "
-                        "and its own peer_stream_port where that is fixed)")
+                        "and its own peer_stream_port where that is fixed)" + (f"; {hint}" if hint else ""))
     return None
 
 
