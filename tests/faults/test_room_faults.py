@@ -63,7 +63,10 @@ def test_abort_mid_room_fails_both_sides_and_frees_slots(pair: Pair, fleet: Flee
     pre, dec = pair
     rooms = plans(100, 6, [32] * 8)
     victim = 102
-    p, d = jobs(pre, dec, "abort", rooms, in_flight=3, chunk_delay_s=0.1, abort_after=((victim, 2),))
+    # 0.3 s between chunks: in one loaded CI rehearsal the prefill side ended SUCCESS (at 0.1 s, the decode
+    # engine likely saw its second chunk only after the
+    # prefill engine had sent all eight, so the room was whole before the abort).
+    p, d = jobs(pre, dec, "abort", rooms, in_flight=3, chunk_delay_s=0.3, abort_after=((victim, 2),))
     fleet.start(d)  # expecting before the prefill side sends, so chunks flow as they are sent
     fleet.start(p)
     fleet.finish()
