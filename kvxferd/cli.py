@@ -47,7 +47,7 @@ def _port_in_use(config: Any) -> str | None:
     import errno
     import socket
 
-    from kvxferd.owned import listen_failure_hint
+    from kvxferd.owned import ephemeral_port_note
 
     peer_host = config.peer_listen.rpartition(":")[0]
     wanted = [("peer service (peer_listen)", config.peer_listen),
@@ -72,7 +72,7 @@ def _port_in_use(config: Any) -> str | None:
                 if exc.errno != errno.EADDRINUSE:
                     continue
                 # A port in the ephemeral range may be held by any outgoing connection: say so too.
-                hint = listen_failure_hint(address).partition("? ")[2]
+                hint = ephemeral_port_note(address)
                 return (f"{address} for the {what} is already in use by another process (another kvxferd? "
                         "a second daemon on one host needs its own --socket, --peer-listen and --metrics-port, "
                         "and its own peer_stream_port where that is fixed)" + (f"; {hint}" if hint else ""))

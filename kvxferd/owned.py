@@ -203,11 +203,16 @@ def listen_failure_hint(address: str) -> str:
     A fixed port inside the kernel's ephemeral range is free only until an outgoing connection
     takes it as its source port, which happens at random while a restarted daemon is down.
     """
-    generic = "address in use or not local?"
+    note = ephemeral_port_note(address)
+    return f"address in use or not local? {note}" if note else "address in use or not local?"
+
+
+def ephemeral_port_note(address: str) -> str:
+    """Why a fixed port inside the kernel's ephemeral range is fragile, or "" for one outside it."""
     port_text = address.rsplit(":", 1)[-1]
     span = ephemeral_port_range()
     if not port_text.isdigit() or span is None or not span[0] <= int(port_text) <= span[1]:
-        return generic
-    return (f"{generic} port {port_text} is inside the ephemeral range {span[0]}-{span[1]}"
+        return ""
+    return (f"port {port_text} is inside the ephemeral range {span[0]}-{span[1]}"
             " (net.ipv4.ip_local_port_range), where outgoing connections may hold it: pick a port"
             " below it or reserve it in net.ipv4.ip_local_reserved_ports")
