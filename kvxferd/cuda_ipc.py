@@ -111,6 +111,8 @@ class _CudaLibs:
         cudart.cudaIpcCloseMemHandle.argtypes = [ctypes.c_void_p]
         cudart.cudaSetDevice.argtypes = [ctypes.c_int]
         cudart.cudaGetDevice.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        cudart.cudaDeviceCanAccessPeer.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
+        cudart.cudaDeviceEnablePeerAccess.argtypes = [ctypes.c_int, ctypes.c_uint]
         cuda.cuMemGetAddressRange_v2.argtypes = [
             ctypes.POINTER(ctypes.c_uint64),
             ctypes.POINTER(ctypes.c_size_t),

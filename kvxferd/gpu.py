@@ -14,12 +14,16 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvxferd.domain import EngineSpec
 from kvxferd.engines import Ring
 from kvxferd.errors import FailedPrecondition, InvalidArgument
 from kvxferd.memory import RingAllocator
 from kvxferd.transport import Transport
+
+if TYPE_CHECKING:
+    from kvxferd.cuda_ipc import _CudaLibs
 
 logger = logging.getLogger(__name__)
 
@@ -62,34 +66,137 @@ def make_cuda_importer(transport: Transport) -> Callable[[EngineSpec], Ring]:
 
 
 _CUDA_STREAM_NON_BLOCKING = 1
+_CUDA_PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
 _streams = threading.local()
 
+# How a same-node copy moves, the `path` label of kvxferd_transfer_bytes_total for it.
+LINK_HOST = "local"  # host pool to host pool: memmove in the worker
+LINK_SAME_GPU = "local-gpu"  # both rings on one GPU
+LINK_PEER = "local-p2p"  # two GPUs with peer access (NVLink or PCIe peer DMA)
+LINK_STAGED = "local-staged"  # two GPUs without peer access: the driver bounces through host memory
+LINK_HOST_GPU = "local-host-gpu"  # a pinned host ring and a GPU ring
 
-def device_copies(pairs: Sequence[tuple[int, int, int]]) -> None:
+
+def copy_link(src_mem: str, src_device: int, dst_mem: str, dst_device: int,
+              can_access_peer: Callable[[int, int], bool]) -> str:
+    """Which of the links above a same-node copy takes (pure: `can_access_peer` answers for CUDA)."""
+    if src_mem != "VRAM" and dst_mem != "VRAM":
+        return LINK_HOST
+    if src_mem != "VRAM" or dst_mem != "VRAM":
+        return LINK_HOST_GPU
+    if src_device == dst_device:
+        return LINK_SAME_GPU
+    both = can_access_peer(src_device, dst_device) and can_access_peer(dst_device, src_device)
+    return LINK_PEER if both else LINK_STAGED
+
+
+class _PeerAccess:
+    """Peer access between this process's GPU contexts, enabled once per pair of devices.
+
+    The rings were imported with cudaIpcMemLazyEnablePeerAccess, so once a device's context has
+    peer access to another, the other's imported rings are mapped into it too; without peer
+    access a copy between two GPUs still works but the driver stages it through host memory
+    (LINK_STAGED), at PCIe-to-host speed instead of NVLink's.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._links: dict[tuple[int, int], str] = {}
+
+    def link(self, src_mem: str, src_device: int, dst_mem: str, dst_device: int) -> str:
+        if src_mem != "VRAM" or dst_mem != "VRAM" or src_device == dst_device:
+            return copy_link(src_mem, src_device, dst_mem, dst_device, _never)
+        key = (min(src_device, dst_device), max(src_device, dst_device))
+        got = self._links.get(key)
+        if got is None:
+            with self._lock:
+                got = self._links.get(key)
+                if got is None:
+                    got = self._links[key] = self._enable(*key)
+        return got
+
+    def _enable(self, a: int, b: int) -> str:
+        from kvxferd import cuda_ipc
+
+        libs = cuda_ipc._load()
+        rt = libs.cudart
+
+        def can(x: int, y: int) -> bool:
+            flag = ctypes.c_int(0)
+            libs.check(rt.cudaDeviceCanAccessPeer(ctypes.byref(flag), x, y), "cudaDeviceCanAccessPeer")
+            return bool(flag.value)
+
+        link = copy_link("VRAM", a, "VRAM", b, can)
+        if link == LINK_PEER:
+            prev = ctypes.c_int(0)
+            libs.check(rt.cudaGetDevice(ctypes.byref(prev)), "cudaGetDevice")
+            try:
+                for x, y in ((a, b), (b, a)):
+                    libs.check(rt.cudaSetDevice(x), "cudaSetDevice")
+                    rc = rt.cudaDeviceEnablePeerAccess(y, 0)
+                    if rc == _CUDA_PEER_ACCESS_ALREADY_ENABLED:
+                        rt.cudaGetLastError()  # not an error here; clear it so no later check sees it
+                    else:
+                        libs.check(rc, f"cudaDeviceEnablePeerAccess({x} -> {y})")
+            finally:
+                rt.cudaSetDevice(prev.value)
+        logger.info("GPU %d <-> GPU %d: same-node copies take %s", a, b, link)
+        return link
+
+    def known(self) -> dict[tuple[int, int], str]:
+        """The device pairs met so far and their link (for status)."""
+        return dict(self._links)
+
+
+def _never(_a: int, _b: int) -> bool:
+    return False
+
+
+peer_access = _PeerAccess()
+
+
+def _stream(libs: _CudaLibs, device: int) -> ctypes.c_void_p:
+    """This thread's copy stream on `device` (made current first: a stream belongs to the device
+    current when it is created)."""
+    per_device: dict[int, ctypes.c_void_p] | None = getattr(_streams, "by_device", None)
+    if per_device is None:
+        per_device = _streams.by_device = {}
+    stream = per_device.get(device)
+    if stream is None:
+        stream = ctypes.c_void_p()
+        libs.check(libs.cudart.cudaStreamCreateWithFlags(ctypes.byref(stream), _CUDA_STREAM_NON_BLOCKING),
+                   "cudaStreamCreateWithFlags")
+        per_device[device] = stream
+    return stream
+
+
+def device_copies(pairs: Sequence[tuple[int, int, int]], src_mem: str = "VRAM", src_device: int = 0,
+                  dst_mem: str = "VRAM", dst_device: int = 0) -> str:
     """Same-node path between two imported GPU rings (or GPU and host): every (src, dst, length)
-    pair of a job queued on this thread's own stream, then one wait for them all.
+    pair of a job queued on this thread's stream of the device that drives the copy, then one
+    wait for them all. Returns the link it took (LINK_*).
 
     One synchronous ``cudaMemcpy`` per pair on the legacy default stream (the earlier form) paid a
     launch and a full wait per descriptor, and a zero-copy job has one per layer, K/V and run of
-    slots; the legacy stream also serialised every worker's copies with each other.
+    slots; the legacy stream also serialised every worker's copies with each other. Between two
+    GPUs the source GPU's copy engines push over the peer link, which is what cudaMemcpyPeer does.
     """
     from kvxferd import cuda_ipc
 
+    link = peer_access.link(src_mem, src_device, dst_mem, dst_device)
     libs = cuda_ipc._load()
     rt = libs.cudart
-    stream = getattr(_streams, "stream", None)
-    if stream is None:
-        stream = ctypes.c_void_p()
-        libs.check(rt.cudaStreamCreateWithFlags(ctypes.byref(stream), _CUDA_STREAM_NON_BLOCKING),
-                   "cudaStreamCreateWithFlags")
-        _streams.stream = stream
-    for src, dst, nbytes in pairs:
-        libs.check(
-            rt.cudaMemcpyAsync(ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(nbytes),
-                               _CUDA_MEMCPY_DEFAULT, stream),
-            "cudaMemcpyAsync",
-        )
-    libs.check(rt.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+    device = src_device if src_mem == "VRAM" else dst_device
+    with cuda_ipc._OnDevice(libs, device):
+        stream = _stream(libs, device)
+        for src, dst, nbytes in pairs:
+            libs.check(
+                rt.cudaMemcpyAsync(ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(nbytes),
+                                   _CUDA_MEMCPY_DEFAULT, stream),
+                "cudaMemcpyAsync",
+            )
+        libs.check(rt.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+    return link
 
 
 def gpu_data_path(setting: str) -> str:

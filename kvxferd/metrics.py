@@ -93,7 +93,9 @@ class Metrics:
         self.ring_used = Gauge("kvxferd_ring_used_bytes", "Ring bytes held by slots", ["ring"], registry=r)
         self.slots_held = Gauge("kvxferd_slots_held", "Slots reserved in all rings", registry=r)
         self.transfer_bytes = Counter(
-            "kvxferd_transfer_bytes", "Bytes written to peers", ["peer", "path"], registry=r
+            "kvxferd_transfer_bytes", "Bytes written to peers, by path: nixl, or on this daemon local (host), "
+            "local-gpu (one GPU), local-p2p (GPU to GPU, peer access), local-staged (GPU to GPU through host), "
+            "local-host-gpu", ["peer", "path"], registry=r
         )
         self.peer_series = PeerSeries()
         self.nixl_errors = Counter("kvxferd_nixl_errors", "NIXL transfer errors", ["peer"], registry=r)

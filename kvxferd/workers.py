@@ -113,6 +113,8 @@ class TransferJob:
     # Jobs with the same key (not None), remote and memory kinds that wait in one thread's queue
     # together go as one WRITE (the scheduler uses the room: a failed WRITE fails only that room).
     merge_key: Any = None
+    # A same-node copy between GPU rings: the link it took (kvxferd.gpu.LINK_*), its metrics path.
+    link: str = ""
     _worker: int = field(default=-1, repr=False)  # the thread it was handed to
 
 
@@ -309,7 +311,8 @@ class WorkerPool:
                     for src, dst, length in job.pairs:
                         ctypes.memmove(dst, src, length)
                 else:
-                    device_copies(job.pairs)
+                    job.link = device_copies(job.pairs, job.local_mem, job.local_device, job.remote_mem,
+                                             job.remote_device)
             except Exception as exc:
                 self._report(job, XferState.ERROR, f"local copy failed: {exc}")
             else:

@@ -449,8 +449,10 @@ class CaseResult:
 def run_case(
     case: Case, prefill_socket: str, decode_socket: str, prefill_address: str, device: str,
     prefill_kw: dict[str, Any] | None = None, decode_kw: dict[str, Any] | None = None, timeout: float = 180.0,
+    decode_device: str = "",
 ) -> CaseResult:
     """Starts every rank (spawned processes), releases them together, collects their results.
+    Prefill ranks run on `device`, decode ranks on `decode_device` (default: the same).
 
     Throughput counts the bytes that landed in the decode rings over the wall time from the
     common start until the last rank finished (gathers, NIXL, scatters and watermarks included).
@@ -461,7 +463,8 @@ def run_case(
     ready, results = ctx.Queue(), ctx.Queue()
     start = ctx.Event()
     procs = [
-        ctx.Process(target=decode_main, args=(decode_socket, case, r, device, prefill_address, ready, start, results),
+        ctx.Process(target=decode_main,
+                    args=(decode_socket, case, r, decode_device or device, prefill_address, ready, start, results),
                     kwargs={**(decode_kw or {}), "timeout": timeout})
         for r in range(case.dtp)
     ] + [

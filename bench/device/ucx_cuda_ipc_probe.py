@@ -1,0 +1,185 @@
+"""Why UCX does not use CUDA IPC between two daemons on one host (issue #38; device diagnostic).
+
+Two processes, each a kvxferd NixlTransport (NIXL agent, UCX backend, the daemon's UCX env), WRITE
+VRAM to VRAM. Variants, each in fresh processes:
+  own: each side registers memory it cudaMalloc'd itself (what UCX's cuda_ipc transport can export:
+       its memory registration calls cuIpcGetMemHandle on the range);
+  ipc: each side registers a range another process exported and it imported with
+       cudaIpcOpenMemHandle (the daemon's GPU-ring case: the engine owns the allocation).
+and GPU 0 -> GPU 0 / GPU 0 -> GPU 1. Also tries cudaIpcGetMemHandle on an imported range (can
+imported memory be re-exported at all?). Prints one JSON line per variant with GB/s, byte-exactness
+and the UCX protocol lines that name the transport (UCX_PROTO_INFO=y), and writes them to argv[1].
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any
+
+SIZE = 64 << 20
+
+
+def _redirect(path: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+
+
+def _memory(kind: str, device: int, handle: Any, fill: bool) -> tuple[Any, int, Any]:
+    """(keep-alive object, pointer, uint8 tensor view) of SIZE bytes on `device`."""
+    import torch
+
+    from kvxferd import cuda_ipc
+
+    if kind == "own":
+        t = torch.zeros(SIZE, dtype=torch.uint8, device=f"cuda:{device}")
+        keep: Any = t
+    else:
+        keep = cuda_ipc.open_handle(handle)
+        t = keep.as_tensor()
+    if fill:
+        t.copy_(torch.arange(SIZE, device=t.device, dtype=torch.int64).remainder_(251).to(torch.uint8))
+        torch.cuda.synchronize(t.device)
+    return keep, t.data_ptr(), t
+
+
+def child(role: str, kind: str, device: int, handle: Any, conn: Any, log: str) -> None:
+    _redirect(log)
+    out: dict[str, Any] = {}
+    try:
+        from kvxferd.transport import XferState
+        from kvxferd.transport_nixl import NixlTransport
+
+        tr = NixlTransport(f"probe-{role}")
+        import torch
+
+        keep, ptr, view = _memory(kind, device, handle, fill=role == "src")
+        tr.register_region(ptr, SIZE, "VRAM", device)
+        if kind == "ipc":
+            from kvxferd import cuda_ipc
+
+            libs = cuda_ipc._load()
+            h = cuda_ipc._IpcMemHandle()
+            rc = libs.cudart.cudaIpcGetMemHandle(ctypes.byref(h), ctypes.c_void_p(keep._base))
+            out["reexport_imported"] = "ok" if rc == 0 else f"CUDA error {rc} ({libs.cudart.cudaGetErrorString(rc).decode()})"
+            libs.cudart.cudaGetLastError()
+        conn.send((tr.metadata(), ptr, device))
+        if role == "dst":
+            conn.recv()  # the source is done
+            want = torch.arange(SIZE, device=view.device, dtype=torch.int64).remainder_(251).to(torch.uint8)
+            out["byte_exact"] = bool(torch.equal(view, want))
+        else:
+            md, rptr, rdev = conn.recv()
+            name = tr.add_remote(md)
+            reps, t0 = 0, time.perf_counter()
+            while reps < 20 and (reps < 2 or time.perf_counter() - t0 < 2.0):
+                h = tr.post_write(name, [(ptr, rptr, SIZE)], b"probe", "VRAM", "VRAM", device, rdev)
+                while tr.check(h) is XferState.PENDING:
+                    time.sleep(0.0001)
+                assert tr.check(h) is XferState.DONE, h.error
+                tr.release(h)
+                reps += 1
+                if reps == 1:
+                    t0 = time.perf_counter()  # the first WRITE sets the connection up: not timed
+            out["gb_per_s"] = round(SIZE * (reps - 1) / (time.perf_counter() - t0) / 1e9, 3)
+            out["timed_writes"] = reps - 1
+        tr.close()
+        del keep
+    except Exception:
+        out["error"] = traceback.format_exc()[-1500:]
+    conn.send(out)
+
+
+def run(kind: str, src_dev: int, dst_dev: int, handles: dict[int, Any], tmp: str) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    logs = {r: os.path.join(tmp, f"{kind}-{src_dev}{dst_dev}-{r}.log") for r in ("src", "dst")}
+    a_src, b_src = ctx.Pipe()
+    a_dst, b_dst = ctx.Pipe()
+    hs = handles.get(src_dev * 10 + src_dev) if kind == "ipc" else None
+    hd = handles.get(dst_dev * 10 + dst_dev + 100) if kind == "ipc" else None
+    ps = [ctx.Process(target=child, args=("src", kind, src_dev, hs, b_src, logs["src"])),
+          ctx.Process(target=child, args=("dst", kind, dst_dev, hd, b_dst, logs["dst"]))]
+    for p in ps:
+        p.start()
+    res: dict[str, Any] = {"memory": kind, "gpus": f"{src_dev}->{dst_dev}", "bytes": SIZE}
+    try:
+        got = {}
+        for role, conn in (("src", a_src), ("dst", a_dst)):
+            if not conn.poll(120):
+                raise TimeoutError(f"{role} never got ready")
+            got[role] = conn.recv()
+            if isinstance(got[role], dict):  # it failed before it was ready
+                res[role] = got[role]
+                return res
+        a_src.send(got["dst"])
+        if not a_src.poll(120):
+            raise TimeoutError("the WRITEs never finished")
+        res["src"] = a_src.recv()
+        a_dst.send("done")
+        res["dst"] = a_dst.recv() if a_dst.poll(60) else {"error": "no verdict"}
+    except Exception as exc:
+        res["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        for p in ps:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+        lines = []
+        for log in logs.values():
+            with open(log, errors="replace") as fh:
+                lines += [ln.strip() for ln in fh if "|" in ln and any(
+                    t in ln for t in ("cuda_ipc", "cuda_copy", "tcp", "cma", "posix", "sysv", "rc_", "dc_"))]
+        res["ucx_proto_lines"] = lines[:12]
+    return res
+
+
+def main() -> None:
+    os.environ["UCX_PROTO_INFO"] = "y"
+    import torch
+
+    from kvxferd import cuda_ipc
+
+    ngpu = torch.cuda.device_count()
+    keep, handles = [], {}
+    for dev in range(min(ngpu, 2)):
+        for dst in (0, 100):  # one range to write from and one to write into, per GPU
+            t = torch.empty(SIZE, dtype=torch.uint8, device=f"cuda:{dev}")
+            keep.append(t)
+            handles[dev * 10 + dev + dst] = cuda_ipc.export_tensor(t)
+    pairs = [(0, 0)] + ([(0, 1)] if ngpu > 1 else [])
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in ("own", "ipc"):
+            for s, d in pairs:
+                r = run(kind, s, d, handles, tmp)
+                print(json.dumps(r), flush=True)
+                rows.append(r)
+    # Device copies in the same run, for the ratios.
+    base = {}
+    for s, d in pairs:
+        a = torch.empty(SIZE, dtype=torch.uint8, device=f"cuda:{s}")
+        b = torch.empty(SIZE, dtype=torch.uint8, device=f"cuda:{d}")
+        b.copy_(a)
+        torch.cuda.synchronize(s)
+        torch.cuda.synchronize(d)
+        t0 = time.perf_counter()
+        for _ in range(20):
+            b.copy_(a)
+        torch.cuda.synchronize(s)
+        torch.cuda.synchronize(d)
+        base[f"{s}->{d}"] = round(SIZE * 20 / (time.perf_counter() - t0) / 1e9, 3)
+    print(json.dumps({"device_copy_gb_per_s": base}), flush=True)
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as fh:
+            json.dump({"variants": rows, "device_copy_gb_per_s": base}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
