@@ -344,7 +344,7 @@ class Node:
     def on_bootstrap(self, peer: Link, m: BootstrapMsg) -> BootstrapAnswer:
         try:
             room = self.send.bootstrap(peer, m.room, m.group, m.reader, m.decode_tp, m.layout, m.num_tokens,
-                                       m.deadline_unix_ms, m.reader_ring, m.zero_copy)
+                                       m.deadline_unix_ms, m.reader_ring, m.zero_copy, m.notif_token)
         except KvxferError as exc:
             return BootstrapAnswer(m.room, m.reader, exc.code, str(exc))
         assert room.layout is not None

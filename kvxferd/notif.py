@@ -2,14 +2,19 @@
 
 A WRITE's notification is delivered to the decode daemon after the bytes, so it is what turns
 "bytes may be there" into "chunk c of room r landed at this range". It names the credit and the
-offset inside it, so the decode side can check the range against what it granted this peer.
+offset inside it, so the decode side can check the range against what it granted this peer, and
+the room's token: a secret the decode daemon drew for the room and sent to its writer alone (in
+the Bootstrap), so that a notification counts only from the writer whatever agent name its
+sender states, zero-copy rooms (no credit) included.
 One WRITE may carry several parts of a chunk (one per reader on the same daemon): its
 notification then lists them all, separated by ";", and each is checked on its own.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
+import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -21,14 +26,16 @@ from kvxferd.ports import Link
 
 logger = logging.getLogger(__name__)
 
-NOTIF_PREFIX = b"kvx2"
+NOTIF_PREFIX = b"kvx3"  # kvx2 had no token: a daemon that sends it is refused at Bootstrap already
 PART_SEP = b";"
 # More parts than any TP degree gives one chunk on one daemon: a longer list is malformed.
 MAX_PARTS = 1024
 # Zero-copy chunks land in the reader's own pages, not in a credit.
 NO_CREDIT = 0
 # Why a notification did not count (kvxferd_notifs_dropped{reason}): a fixed set, never a caller's word.
-DROP_REASONS = ("malformed", "sender", "stale", "range", "credit", "held", "writer")
+DROP_REASONS = ("malformed", "sender", "token", "stale", "range", "credit", "held", "writer")
+# A room's token: 128 random bits, as many as a guess must match (a wrong one is dropped, counted).
+TOKEN_BYTES = 16
 # A flood of forged notifications costs one warning line per this many seconds.
 LOG_EVERY_S = 1.0
 
@@ -44,27 +51,35 @@ class Notif:
     last: bool
     credit_id: int = NO_CREDIT
     offset: int = 0
+    token: bytes = b""
+
+
+def new_token() -> bytes:
+    """A room's notification token (drawn by the decode daemon, one per room and generation)."""
+    return secrets.token_bytes(TOKEN_BYTES)
 
 
 def encode_notif(key: RoomKey, spec: ChunkSpec, writer: int, reader: int, credit_id: int = NO_CREDIT,
-                 offset: int = 0) -> bytes:
-    return b"%s %d %d %d %d %d %d %d %d %d %d" % (
+                 offset: int = 0, *, token: bytes) -> bytes:
+    """`token`: the room's, from its Bootstrap."""
+    return b"%s %d %d %d %d %d %d %d %d %d %d %s" % (
         NOTIF_PREFIX, key.id, key.generation, spec.chunk_id, writer, reader, spec.token_start, spec.num_tokens,
-        int(spec.last), credit_id, offset,
+        int(spec.last), credit_id, offset, token.hex().encode(),
     )
 
 
 def decode_notif(msg: bytes) -> Notif | None:
     parts = msg.split()
-    if len(parts) != 11 or parts[0] != NOTIF_PREFIX:
+    if len(parts) != 12 or parts[0] != NOTIF_PREFIX or len(parts[11]) != 2 * TOKEN_BYTES:
         return None
     try:
-        rid, gen, chunk, writer, reader, tstart, ntok, last, credit, offset = (int(p) for p in parts[1:])
+        rid, gen, chunk, writer, reader, tstart, ntok, last, credit, offset = (int(p) for p in parts[1:11])
+        token = bytes.fromhex(parts[11].decode("ascii"))
     except ValueError:
         return None
     if min(rid, gen, chunk, writer, reader, tstart, ntok, credit, offset) < 0:
         return None
-    return Notif(RoomKey(rid, gen), chunk, writer, reader, tstart, ntok, bool(last), credit, offset)
+    return Notif(RoomKey(rid, gen), chunk, writer, reader, tstart, ntok, bool(last), credit, offset, token)
 
 
 def join_notifs(parts: list[bytes]) -> bytes:
@@ -92,8 +107,8 @@ def sent_by_writer(peer: Link | None, agent: str | None) -> bool:
 
     NIXL keys notifications by an agent name the sender states itself (UCX does not vouch for it),
     so this stops a peer naming others' rooms under its own agent; one that also claims the
-    writer's agent name still lands nothing in credit space: it cannot name the writer's credits
-    (random ids, sent to their holder only). O(1): one comparison per part on the chunk path."""
+    writer's agent name lands nothing: it does not hold the room's token (from_writers), nor the
+    writer's credits (random ids, sent to their holder only). O(1) per part on the chunk path."""
     if peer is None:
         return False
     if agent is None:
@@ -102,21 +117,26 @@ def sent_by_writer(peer: Link | None, agent: str | None) -> bool:
 
 
 def from_writers(notifs: Iterable[tuple[str, bytes]], local: bool,
-                 writer_of: Callable[[RoomKey], Link | Literal[False] | None], drops: NotifDrops) -> Iterator[Notif]:
+                 writer_of: Callable[[RoomKey], tuple[Link | None, bytes] | Literal[False]],
+                 drops: NotifDrops) -> Iterator[Notif]:
     """Each part, of each (sending agent, message), that the writer of its room sent; the rest are
     counted and dropped. Checked before anything else (the early queue too). `writer_of`: the
-    daemon a room bootstrapped with (None: none yet), False for a room unknown or ended."""
+    daemon a room bootstrapped with (None: none yet) and the room's token, False for a room
+    unknown or ended. The token is compared in constant time: a guess learns nothing of how
+    close it came."""
     for agent, msg in notifs:
         parts = decode_notifs(msg)
         if parts is None:
             drops.drop("malformed", None, f"from agent {agent[:100]!r}: {msg[:64]!r}")
             continue
         for n in parts:
-            peer = writer_of(n.room)
-            if peer is False:
+            writer = writer_of(n.room)
+            if writer is False:
                 drops.drop("stale", n.room, "room unknown or ended", quiet=True)
-            elif not sent_by_writer(peer, None if local else agent):
+            elif not sent_by_writer(writer[0], None if local else agent):
                 drops.drop("sender", n.room, f"agent {agent[:100]!r} does not write this room")
+            elif not hmac.compare_digest(n.token, writer[1]):
+                drops.drop("token", n.room, f"agent {agent[:100]!r} does not hold the room's token")
             else:
                 yield n
 

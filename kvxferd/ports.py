@@ -38,6 +38,7 @@ class BootstrapMsg:
     deadline_unix_ms: int
     reader_ring: str
     zero_copy: ZeroCopyTarget | None = None
+    notif_token: bytes = b""  # the room's (kvxferd.notif): its writer puts it in every notification
 
 
 @dataclass(frozen=True)

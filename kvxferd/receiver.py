@@ -162,7 +162,7 @@ class RecvSide:
             self._boot_waits[(room.key, reader)] = fut
             peer.send_bootstrap(BootstrapMsg(
                 room.key, room.prefill_group, reader, room.decode_tp, room.layout, room.num_tokens or 0,
-                deadline_ms, rs.engine.id, target,
+                deadline_ms, rs.engine.id, target, room.notif_token,
             ))
             try:
                 ans = await fut
@@ -273,9 +273,9 @@ class RecvSide:
         for n in from_writers(notifs, local, self._writer_of, self.drops):
             self.landed(n)
 
-    def _writer_of(self, key: RoomKey) -> Link | Literal[False] | None:
+    def _writer_of(self, key: RoomKey) -> tuple[Link | None, bytes] | Literal[False]:
         room = self.rooms.get(key.id)
-        return False if room is None or room.key != key or room.finished else room.peer
+        return False if room is None or room.key != key or room.finished else (room.peer, room.notif_token)
 
     def local_notif(self, msg: bytes) -> None:
         self.on_notifs([("", msg)], local=True)

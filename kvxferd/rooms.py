@@ -18,6 +18,7 @@ from kvxferd.credits import HeldRange
 from kvxferd.domain import ChunkSpec, FailureCode, LandedChunk, RoomKey, RoomState, SlotRef, ZeroCopyTarget
 from kvxferd.engines import Engine
 from kvxferd.layout import HeadSlice, KVLayout
+from kvxferd.notif import new_token
 from kvxferd.ports import Link
 
 logger = logging.getLogger(__name__)
@@ -133,6 +134,8 @@ class SendRoom(RoomBase):
         # those pages fenced until we say none is left (a quiesced Abort).
         self.owe_quiesced = False
         self.first_chunk_at: float | None = None
+        # The decode daemon's secret for this room (its Bootstrap): every notification carries it.
+        self.notif_token = b""
         # Ranks whose engine released the room (ReleaseRoom); forgotten once every rank did.
         self.released_by: set[int] = set()
 
@@ -216,6 +219,8 @@ class RecvRoom(RoomBase):
         self.early: list[Any] = []
         # Zero-copy: failed, and a prefill WRITE may still land in the readers' pages (kvxferd.fence).
         self.pages_fenced = False
+        # Sent to the writer only (in each Bootstrap); a notification without it counts for nothing.
+        self.notif_token = new_token()
 
     @property
     def zero_copy(self) -> bool:

@@ -18,6 +18,7 @@ from kvxferd.events import EventHub, RoomClock, count_finished, deadline_reason
 from kvxferd.layout import KVLayout, plan, rank_heads
 from kvxferd.limits import MAX_GROUP, ROOMS_PER_ENGINE, ROOMS_PER_PEER, TOMBSTONES
 from kvxferd.metrics import Metrics
+from kvxferd.notif import TOKEN_BYTES
 from kvxferd.ports import Link
 from kvxferd.rooms import OutChunk, RoomBase, SendRoom, WriterState
 from kvxferd.scheduler import Scheduler
@@ -185,8 +186,11 @@ class SendSide:
 
     def bootstrap(
         self, peer: Link, key: RoomKey, group: str, reader: int, decode_tp: int, layout: KVLayout, num_tokens: int,
-        deadline_unix_ms: int, reader_ring: str, zero_copy: ZeroCopyTarget | None = None,
+        deadline_unix_ms: int, reader_ring: str, zero_copy: ZeroCopyTarget | None = None, notif_token: bytes = b"",
     ) -> SendRoom:
+        if len(notif_token) != TOKEN_BYTES:
+            raise InvalidArgument(f"room {key}: the Bootstrap carries no {TOKEN_BYTES}-byte notif_token (a decode "
+                                  "daemon older than this one: upgrade both)")
         if not 1 <= decode_tp <= 1024 or not 0 <= reader < decode_tp:
             raise InvalidArgument(f"reader rank {reader} must be in [0, decode_tp={decode_tp})")
         if not 1 <= num_tokens <= MAX_TOKENS:
@@ -207,6 +211,8 @@ class SendSide:
                                       f" for peer {peer.address}")
         if room is not None and not fresh:
             self._check_joinable(peer, key, group, room)
+            if room.notif_token and room.notif_token != notif_token:
+                raise InvalidArgument(f"room {key}: readers name different notification tokens")
         engines = self.engines.group(group, Role.PREFILL)
         if not engines:
             raise NotFound(f"no prefill engine of group {group!r} is registered on this daemon")
@@ -230,6 +236,7 @@ class SendSide:
             room.zero_copy = True
             room.zc_targets[reader] = zero_copy
         room.peer = peer
+        room.notif_token = notif_token
         if not room.cap_peer:
             self.engines.limits.peer_room_added(peer.address)
             room.cap_peer = peer.address

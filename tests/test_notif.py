@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from kvxferd.domain import ChunkSpec, RoomKey, SlotRef
-from kvxferd.notif import MAX_PARTS, Notif, decode_notif, decode_notifs, encode_notif, join_notifs
+from kvxferd.notif import MAX_PARTS, Notif, decode_notif, decode_notifs, encode_notif, join_notifs, new_token
+
+TOKEN = new_token()
 
 
 def _spec(chunk: int, start: int, n: int, last: bool = False) -> ChunkSpec:
@@ -12,13 +14,14 @@ def _spec(chunk: int, start: int, n: int, last: bool = False) -> ChunkSpec:
 
 
 def test_one_part_round_trips() -> None:
-    msg = encode_notif(RoomKey(7, 3), _spec(2, 32, 16, last=True), 1, 0, credit_id=9, offset=4096)
-    assert decode_notif(msg) == Notif(RoomKey(7, 3), 2, 1, 0, 32, 16, True, 9, 4096)
+    msg = encode_notif(RoomKey(7, 3), _spec(2, 32, 16, last=True), 1, 0, credit_id=9, offset=4096, token=TOKEN)
+    assert decode_notif(msg) == Notif(RoomKey(7, 3), 2, 1, 0, 32, 16, True, 9, 4096, TOKEN)
     assert decode_notifs(msg) == [decode_notif(msg)]
 
 
 def test_parts_of_one_write_each_decode_in_order() -> None:
-    parts = [encode_notif(RoomKey(5, 1), _spec(0, 0, 64), 0, r, credit_id=10 + r, offset=r * 100) for r in range(4)]
+    parts = [encode_notif(RoomKey(5, 1), _spec(0, 0, 64), 0, r, credit_id=10 + r, offset=r * 100, token=TOKEN)
+             for r in range(4)]
     got = decode_notifs(join_notifs(parts))
     assert got is not None and [n.reader for n in got] == [0, 1, 2, 3]
     assert [(n.credit_id, n.offset) for n in got] == [(10, 0), (11, 100), (12, 200), (13, 300)]
@@ -27,8 +30,11 @@ def test_parts_of_one_write_each_decode_in_order() -> None:
 
 
 def test_one_malformed_part_drops_the_whole_notification() -> None:
-    good = encode_notif(RoomKey(5, 1), _spec(0, 0, 64), 0, 0, credit_id=1)
-    for bad in (b"", b"kvx2 1 2 3", b"kvx9 1 1 1 1 1 1 1 1 1 1", good.replace(b" 64 ", b" -64 "), b"kvx2 a b c d e f g h i j"):
+    good = encode_notif(RoomKey(5, 1), _spec(0, 0, 64), 0, 0, credit_id=1, token=TOKEN)
+    no_token = good.rpartition(b" ")[0]
+    for bad in (b"", b"kvx2 1 2 3", b"kvx9 1 1 1 1 1 1 1 1 1 1 " + TOKEN.hex().encode(), good.replace(b" 64 ", b" -64 "),
+                b"kvx3 a b c d e f g h i j " + TOKEN.hex().encode(), no_token, no_token + b" " + TOKEN.hex()[:-2].encode(),
+                no_token + b" " + b"zz" * 16, no_token.replace(b"kvx3", b"kvx2")):
         assert decode_notifs(join_notifs([good, bad])) is None, bad
     assert decode_notifs(join_notifs([good] * (MAX_PARTS + 1))) is None
     assert decode_notifs(join_notifs([good] * MAX_PARTS)) is not None

@@ -4,9 +4,11 @@ Real daemons (decode `d`, prefill `p`, shared-secret mode), real NIXL over loopb
 but authenticated peer (it holds the secret, handshakes with both daemons, owns real NIXL agents)
 sends notifications for the legit room while it is in flight: under its own agent, naming the
 writer's real credit (read from the decode daemon's debug log: the worst case, an id that leaked);
-under the writer's own agent name (NIXL takes the name the sender states), naming credits next to
-the real one and random ones; for a writer rank of no reader; for rooms that do not exist; and
-malformed ones. None may count: each is dropped by reason (kvxferd_notifs_dropped), and the room
+under the writer's own agent name (NIXL takes the name the sender states), naming the real credit,
+credits next to it and random ones, a writer rank of no reader, with a guessed room token or in
+the format that had none; for rooms that do not exist; and malformed ones. Then the same against
+a zero-copy room (no credit at all: only the room's token tells the writer's notifications from
+the spoofer's). None may count: each is dropped by reason (kvxferd_notifs_dropped), and each room
 then finishes byte-exact, SUCCESS on both sides.
 """
 
@@ -25,9 +27,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from kvxfer_client import DecodeReceiver, PrefillSender
+import numpy as np
+
+from kvxfer_client import DecodeReceiver, PrefillSender, RoomState
 from kvxferd.domain import DaemonRef, RoomKey
-from kvxferd.notif import encode_notif
+from kvxferd.notif import encode_notif, new_token
 from kvxferd.transport_nixl import NixlTransport
 from tests.conftest import DaemonProc, spawn_daemon
 from tests.peer_client import CHUNK, LAYOUT, Client, closed_port, running, secret_file
@@ -89,7 +93,8 @@ def test_notifications_from_anyone_but_the_rooms_writer_change_nothing() -> None
         credit = int(next(m[1] for m in grant.finditer(d.log_text()) if m[2] == p_reply.sender.daemon_id))
 
         key = RoomKey(ROOM)
-        forged = {"sender": 0, "credit": 0, "writer": 0, "stale": 0, "malformed": 0}
+        forged = {"sender": 0, "token": 0, "stale": 0, "malformed": 0}
+        guess = new_token()  # the room's token is sent to its writer alone: a spoofer can only guess
 
         def send(agent: NixlTransport, reason: str, msg: bytes) -> None:
             agent._agent.send_notif(d_agent, msg)
@@ -99,14 +104,16 @@ def test_notifications_from_anyone_but_the_rooms_writer_change_nothing() -> None
             spec: Any = SimpleNamespace(chunk_id=cid, token_start=16 * cid, num_tokens=16, last=cid == 2)
             for off in (0, CHUNK * cid, CHUNK * 2 * cid):
                 # Under its own agent, with the writer's real credit: not the room's writer.
-                send(hostile, "sender", encode_notif(key, spec, 0, 0, credit, off))
-            # Under the writer's agent name: it cannot name the writer's credits.
-            for guess in (credit + 1, credit - 1, credit + 2, credit + 16, secrets.randbits(63) or 1):
-                send(spoof, "credit", encode_notif(key, spec, 0, 0, guess, 0))
-            send(spoof, "writer", encode_notif(key, spec, 5, 0, credit, 0))  # a writer rank of no reader
-            send(hostile, "stale", encode_notif(RoomKey(ROOM + 1), spec, 0, 0, credit, 0))
-            send(spoof, "stale", encode_notif(RoomKey(ROOM, 9), spec, 0, 0, credit, 0))  # another generation
-        send(hostile, "malformed", b"kvx2 77 0 1 0 0")
+                send(hostile, "sender", encode_notif(key, spec, 0, 0, credit, off, token=guess))
+            # Under the writer's agent name: it holds neither the room's token nor the writer's credits.
+            for cr in (credit, credit + 1, credit - 1, credit + 16, secrets.randbits(63) or 1):
+                send(spoof, "token", encode_notif(key, spec, 0, 0, cr, 0, token=guess))
+            send(spoof, "token", encode_notif(key, spec, 5, 0, credit, 0, token=guess))  # a writer rank of no reader
+            send(hostile, "stale", encode_notif(RoomKey(ROOM + 1), spec, 0, 0, credit, 0, token=guess))
+            send(spoof, "stale", encode_notif(RoomKey(ROOM, 9), spec, 0, 0, credit, 0, token=guess))  # old generation
+            # The format before tokens: a notification that carries none does not decode.
+            send(spoof, "malformed", encode_notif(key, spec, 0, 0, credit, 0, token=guess).rpartition(b" ")[0])
+        send(hostile, "malformed", b"kvx3 77 0 1 0 0")
 
 
         def settled() -> bool:
@@ -126,4 +133,57 @@ def test_notifications_from_anyone_but_the_rooms_writer_change_nothing() -> None
         got, st = rx.receive(ROOM, timeout=30)
         assert [got[i] for i in range(3)] == chunks and st.aux == b"aux", "room bytes differ"
         assert tx.wait(ROOM, timeout=10).state.name == "SUCCESS"
+        zero_copy_room(stack, d, p, lambda reason, msg: send(spoof, reason, msg), forged, agents)
         assert "MISMATCH" not in d.log_text() and "MISMATCH" not in p.log_text()
+
+
+def zero_copy_room(stack: contextlib.ExitStack, d: DaemonProc, p: DaemonProc, spoof: Callable[[str, bytes], None],
+                   forged: dict[str, int], agents: list[NixlTransport]) -> None:
+    """A zero-copy room has no credit: notifications under the writer's agent name with a guessed
+    token, or none, must still land nothing (before tokens, one marked a chunk landed before a
+    byte of it was written, and the engine read what its pages held before)."""
+    room, tokens, split, slots = ROOM + 100, 40, 24, 8 * LAYOUT.page_size
+    pool_bytes = LAYOUT.num_layers * 2 * slots * LAYOUT.total_kv_heads * LAYOUT.head_dim * LAYOUT.dtype_bytes
+    ztx = PrefillSender(socket=p.socket, group="zp", layout=LAYOUT, zero_copy=True, ring_bytes=pool_bytes)
+    stack.callback(ztx.close)
+    zrx = DecodeReceiver(socket=d.socket, group="zd", layout=LAYOUT, zero_copy=True, ring_bytes=pool_bytes)
+    stack.callback(zrx.close)
+    src = np.frombuffer(ztx.view(0, pool_bytes), dtype=np.uint8)
+    dst = np.frombuffer(zrx.view(0, pool_bytes), dtype=np.uint8)
+    src[:] = np.random.default_rng(36).integers(0, 256, pool_bytes, dtype=np.uint8)
+    dst[:] = 0xAB
+    ppages, dpages = [5, 1, 6], [2, 7, 0]
+    zrx.expect(room, p.peer_address, "zp", tokens, pages=dpages)
+    wait_for("the zero-copy room bootstrapped", lambda: zrx.poll(room).state is RoomState.WAITING_FOR_INPUT, 30)
+    key, guess = RoomKey(room), new_token()
+    for cid, (start, n) in enumerate(((0, split), (split, tokens - split))):
+        spec: Any = SimpleNamespace(chunk_id=cid, token_start=start, num_tokens=n, last=cid == 1)
+        for _ in range(3):
+            spoof("token", encode_notif(key, spec, 0, 0, token=new_token()))
+        spoof("token", encode_notif(key, spec, 0, 0, token=guess))
+        spoof("malformed", encode_notif(key, spec, 0, 0, token=guess).rpartition(b" ")[0])
+
+    def settled() -> bool:
+        for a in agents:
+            a.get_notifs()
+        st = zrx.poll(room)
+        return st.finished or bool(st.landed) or all(dropped(d).get(r, 0) >= n for r, n in forged.items())
+
+    wait_for(f"every forged zero-copy notification dropped and counted ({forged}), or the room changed", settled, 30)
+    st = zrx.poll(room)
+    assert not st.finished and not st.landed, f"forged notifications marked zero-copy chunks landed: {st}"
+    assert all(dropped(d).get(r, 0) >= n for r, n in forged.items()), (dropped(d), forged)
+    lay = LAYOUT
+    ztx.enqueue(room, 0, 0, split, pages=lay.chunk_pages(ppages, 0, split)[0])
+    ztx.enqueue(room, 1, split, tokens - split, pages=lay.chunk_pages(ppages, split, tokens - split)[0], last=True,
+                aux=b"zc")
+    assert ztx.wait(room, timeout=30).state is RoomState.SUCCESS
+    st = zrx.wait(room, timeout=30)
+    assert st.state is RoomState.SUCCESS and st.aux == b"zc" and sorted(c.chunk_id for c in st.landed) == [0, 1]
+    # [layers, K/V, slots, bytes per token slot]: every token of the room, from its own page, byte-exact.
+    sv, dv = (a.reshape(lay.num_layers, 2, slots, -1) for a in (src, dst))
+    for t in range(tokens):
+        pi, off = divmod(t, lay.page_size)
+        ps, pd = ppages[pi] * lay.page_size + off, dpages[pi] * lay.page_size + off
+        assert np.array_equal(dv[:, :, pd], sv[:, :, ps]), f"token {t} differs"
+    assert (dv[:, :, 16:32] == 0xAB).all(), "a page outside the room was written"
