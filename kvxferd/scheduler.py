@@ -22,6 +22,7 @@ from kvxferd.ports import Link
 from kvxferd.rooms import Dest, OutChunk, SendRoom
 from kvxferd.transport import XferState
 from kvxferd.workers import TransferJob, WorkerPool, transport_error
+from kvxferd.write_plan import PagePlan, PlanError, plan_page_writes, plan_slot_writes
 
 logger = logging.getLogger(__name__)
 
@@ -151,36 +152,36 @@ class Scheduler:
             self._chunk_done(room, chunk)
             return
         spec = chunk.spec
-        bph = bytes_per_head(room.layout, spec.num_tokens)
         ring = chunk.engine.ring
-        src_base = ring.base_addr + spec.slot.offset
-        src_len = ring.alloc.slot_length(spec.slot.offset) or 0
+        dest = room.dest
+        cid = spec.chunk_id
+
+        def range_of(reader: int) -> HeldRange:
+            r = dest[(cid, reader)].range
+            assert r is not None
+            return r
+
+        try:
+            # The parts of this chunk for readers on one daemon (TP 1->4: four) go as one WRITE with
+            # one notification naming them all: a job, a post and a completion per chunk, not per part.
+            writes = plan_slot_writes(cid, slices, range_of, bytes_per_head(room.layout, spec.num_tokens),
+                                      ring.base_addr + spec.slot.offset, ring.alloc.slot_length(spec.slot.offset) or 0)
+        except PlanError as exc:
+            self._fail(room, FailureCode.MISMATCH, str(exc))
+            self._chunk_done(room, chunk)
+            return
         peer = room.peer
         window = self._window(peer)
-        # The parts of this chunk for readers on one daemon (TP 1->4: four) go as one WRITE with
-        # one notification naming them all: a job, a post and a completion per chunk, not per part.
-        groups: dict[tuple[str, int], list[tuple[HeadSlice, HeldRange]]] = {}
-        for s in slices:
-            r = room.dest[(spec.chunk_id, s.reader)].range
-            assert r is not None
-            length = s.num_heads * bph
-            # The decode side sized nothing here: the range is ours, cut for exactly these tokens.
-            if s.dst_head * bph + length > r.length or s.src_head * bph + length > src_len:
-                self._fail(room, FailureCode.MISMATCH, f"chunk {spec.chunk_id} does not fit its slots")
-                self._chunk_done(room, chunk)
-                return
-            groups.setdefault((r.held.spec.mem, r.held.spec.device), []).append((s, r))
         jobs = []
-        for (mem, device), parts in groups.items():
-            ranges = [r for _, r in parts]
-            pairs = [(src_base + s.src_head * bph, r.address + s.dst_head * bph, s.num_heads * bph) for s, r in parts]
+        for w in writes:
+            ranges = [r for _, r in w.parts]
             jobs.append(TransferJob(
-                remote="" if peer.is_self else peer.agent_name, pairs=pairs,
+                remote="" if peer.is_self else peer.agent_name, pairs=w.pairs,
                 notif=join_notifs([encode_notif(room.key, spec, s.writer, s.reader, r.held.spec.id, r.offset,
                                                 token=room.notif_token)
-                                   for s, r in parts]),
-                on_done=self._on_done, local_mem=ring.mem, remote_mem=mem, local_device=ring.device,
-                remote_device=device, tag=(room, chunk, ranges), nbytes=sum(p[2] for p in pairs),
+                                   for s, r in w.parts]),
+                on_done=self._on_done, local_mem=ring.mem, remote_mem=w.mem, local_device=ring.device,
+                remote_device=w.device, tag=(room, chunk, ranges), nbytes=w.nbytes,
                 credits=[r.held for r in ranges], merge_key=room.key,
             ))
             for r in ranges:
@@ -188,37 +189,22 @@ class Scheduler:
         self._submit(room, chunk, jobs)
 
     def _dispatch_pages(self, room: SendRoom, chunk: OutChunk, slices: list[HeadSlice]) -> None:
-        """Zero-copy: pool pages to pool pages, one descriptor per (layer, K/V, contiguous run of token
-        slots). A chunk may start and end mid-page: only its own tokens' slots are written, so a page
-        two chunks share is filled by both, each at its token offsets."""
+        """Zero-copy: pool pages to pool pages (kvxferd.write_plan.plan_page_writes), one WRITE per reader."""
         assert room.layout is not None and room.peer is not None
-        lay = room.layout
         spec = chunk.spec
         eng = chunk.engine
-        ps = lay.page_size
-        first_page = spec.token_start // ps
+        src = PagePlan(spec.token_start, spec.num_tokens, spec.pages, eng.ring.base_addr, eng.pool_slots)
         jobs = []
         for s in slices:
             target = room.zc_targets.get(s.reader)
-            if target is None:
-                self._fail(room, FailureCode.MISMATCH, f"reader {s.reader} has no zero-copy target")
+            try:
+                if target is None:
+                    raise PlanError(f"reader {s.reader} has no zero-copy target")
+                pairs = plan_page_writes(spec.chunk_id, room.layout, src, s.num_heads, target)
+            except PlanError as exc:
+                self._fail(room, FailureCode.MISMATCH, str(exc))
                 self._chunk_done(room, chunk)
                 return
-            dst_pages = target.pages[first_page : first_page + len(spec.pages)]
-            if len(dst_pages) != len(spec.pages):
-                self._fail(room, FailureCode.MISMATCH, f"chunk {spec.chunk_id} exceeds the decode pages")
-                self._chunk_done(room, chunk)
-                return
-            # Same TP (or MLA): writer and reader hold the same heads, so a token slot has the same size.
-            slot_bytes = s.num_heads * lay.head_dim * lay.dtype_bytes
-            runs = slot_runs(spec.pages, dst_pages, spec.token_start % ps, spec.num_tokens, ps)
-            pairs = []
-            for layer in range(lay.num_layers):
-                for plane in range(lay.planes):
-                    src_plane = eng.ring.base_addr + (layer * lay.planes + plane) * eng.pool_slots * slot_bytes
-                    dst_plane = target.address + (layer * lay.planes + plane) * target.num_slots * slot_bytes
-                    for ss, ds, n in runs:
-                        pairs.append((src_plane + ss * slot_bytes, dst_plane + ds * slot_bytes, n * slot_bytes))
             jobs.append(TransferJob(
                 remote="" if room.peer.is_self else room.peer.agent_name, pairs=pairs,
                 notif=encode_notif(room.key, spec, s.writer, s.reader, token=room.notif_token), on_done=self._on_done,
@@ -258,30 +244,3 @@ class Scheduler:
         if chunk.in_flight == 0 and (chunk.parts_pending == 0 or room.finished):
             self._chunk_done(room, chunk)
 
-
-def coalesce(src: tuple[int, ...] | list[int], dst: tuple[int, ...] | list[int]) -> list[tuple[int, int, int]]:
-    """(src_page, dst_page, pages) runs where both sides are consecutive: one descriptor per run."""
-    runs: list[tuple[int, int, int]] = []
-    for sp, dp in zip(src, dst, strict=True):
-        if runs and runs[-1][0] + runs[-1][2] == sp and runs[-1][1] + runs[-1][2] == dp:
-            a, b, n = runs[-1]
-            runs[-1] = (a, b, n + 1)
-        else:
-            runs.append((sp, dp, 1))
-    return runs
-
-
-def slot_runs(
-    src_pages: tuple[int, ...] | list[int], dst_pages: tuple[int, ...] | list[int], offset: int, num_tokens: int,
-    page_size: int,
-) -> list[tuple[int, int, int]]:
-    """(src_slot, dst_slot, slots) runs for tokens [offset, offset + num_tokens) of a page list
-    (token ``offset`` is the first page's slot ``offset``), where both sides are consecutive."""
-    runs: list[tuple[int, int, int]] = []
-    pos = 0  # page-list-relative slot of the first page of the current run
-    for sp, dp, n in coalesce(src_pages, dst_pages):
-        lo, hi = max(pos, offset), min(pos + n * page_size, offset + num_tokens)
-        if lo < hi:
-            runs.append((sp * page_size + lo - pos, dp * page_size + lo - pos, hi - lo))
-        pos += n * page_size
-    return runs

@@ -16,9 +16,10 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 { nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv; nvidia-smi topo -m; } \
   > "$OUT/topo.txt" 2>&1
 cat "$OUT/topo.txt"
-timeout 240 python3 bench/device/ucx_cuda_ipc_probe.py "$OUT/probe.json" 2>&1 | tee "$OUT/probe.log" | cut -c1-600
+timeout 300 python3 bench/device/ucx_cuda_ipc_probe.py "$OUT/probe.json" 2>&1 | tee "$OUT/probe.log" | cut -c1-600
 
 PYTEST=(python3 -m pytest -q -p no:cacheprovider -o addopts="" -rfEs)
+[ -n "${PROBE_ONLY:-}" ] && exit 0  # the probe alone (its JSON is $OUT/probe.json)
 KVX_GPU_RESULTS=$OUT/results.jsonl KVX_GPU_LOGDIR=/tmp/kvx-logs timeout -s INT -k 30 330 \
   "${PYTEST[@]}" tests/gpu/test_gpu_two_gpus.py "tests/gpu/test_gpu_e2e.py::test_same_node_device_copy" \
   2>&1 | tee "$OUT/pytest.log" | tail -30

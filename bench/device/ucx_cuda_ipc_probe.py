@@ -72,7 +72,10 @@ def child(role: str, kind: str, device: int, handle: Any, conn: Any, log: str) -
             libs.cudart.cudaGetLastError()
         conn.send((tr.metadata(), ptr, device))
         if role == "dst":
-            conn.recv()  # the source is done
+            # Progress UCX here until the source is done: over TCP the receiving worker must run.
+            while not conn.poll(0.0005):
+                tr.get_notifs()
+            conn.recv()
             want = torch.arange(SIZE, device=view.device, dtype=torch.int64).remainder_(251).to(torch.uint8)
             out["byte_exact"] = bool(torch.equal(view, want))
         else:
@@ -112,14 +115,14 @@ def run(kind: str, src_dev: int, dst_dev: int, handles: dict[int, Any], tmp: str
     try:
         got = {}
         for role, conn in (("src", a_src), ("dst", a_dst)):
-            if not conn.poll(120):
+            if not conn.poll(60):
                 raise TimeoutError(f"{role} never got ready")
             got[role] = conn.recv()
             if isinstance(got[role], dict):  # it failed before it was ready
                 res[role] = got[role]
                 return res
         a_src.send(got["dst"])
-        if not a_src.poll(120):
+        if not a_src.poll(45):
             raise TimeoutError("the WRITEs never finished")
         res["src"] = a_src.recv()
         a_dst.send("done")
@@ -134,10 +137,59 @@ def run(kind: str, src_dev: int, dst_dev: int, handles: dict[int, Any], tmp: str
         lines = []
         for log in logs.values():
             with open(log, errors="replace") as fh:
-                lines += [ln.strip() for ln in fh if "|" in ln and any(
-                    t in ln for t in ("cuda_ipc", "cuda_copy", "tcp", "cma", "posix", "sysv", "rc_", "dc_"))]
-        res["ucx_proto_lines"] = lines[:12]
+                # UCX_PROTO_INFO tables: a header naming the operation and memory types, then rows.
+                lines += [ln.split("]", 2)[-1].strip() for ln in fh if "|" in ln or "ucp_" in ln.lower()]
+        res["ucx_proto_lines"] = [ln for ln in lines if ln.strip("|-+ ")][:80]
     return res
+
+
+def copy_child(handles: dict[int, Any], conn: Any) -> None:
+    """The daemon's same-node copy (kvxferd.gpu.device_copies) between rings imported by CUDA IPC,
+    against a device copy between tensors of this process (torch: cudaMemcpyPeerAsync across GPUs)."""
+    out: dict[str, Any] = {}
+    try:
+        import torch
+
+        from kvxferd import cuda_ipc
+        from kvxferd.gpu import device_copies
+
+        rings = {k: cuda_ipc.open_handle(h) for k, h in handles.items()}
+        for name, (sk, dk, sd, dd) in {"0->0": (0, 100, 0, 0), "0->1": (0, 111, 0, 1)}.items():
+            if dk not in rings:
+                continue
+            src, dst = rings[sk], rings[dk]
+            src.as_tensor().copy_(torch.arange(SIZE, device=f"cuda:{sd}", dtype=torch.int64).remainder_(253)
+                                  .to(torch.uint8))
+            torch.cuda.synchronize(sd)
+            row: dict[str, Any] = {}
+            for parts in (1, 4):
+                n = SIZE // parts
+                pairs = [(src.ptr + i * n, dst.ptr + i * n, n) for i in range(parts)]
+                link = device_copies(pairs, "VRAM", sd, "VRAM", dd)
+                t0 = time.perf_counter()
+                for _ in range(20):
+                    device_copies(pairs, "VRAM", sd, "VRAM", dd)
+                row[f"kvxferd_{parts}_pairs_gb_per_s"] = round(SIZE * 20 / (time.perf_counter() - t0) / 1e9, 3)
+                row["link"] = link
+            row["byte_exact"] = bool(torch.equal(src.as_tensor().to(f"cuda:{dd}"), dst.as_tensor()))
+            a = torch.empty(SIZE, dtype=torch.uint8, device=f"cuda:{sd}")
+            b = torch.empty(SIZE, dtype=torch.uint8, device=f"cuda:{dd}")
+            b.copy_(a)
+            torch.cuda.synchronize(sd)
+            torch.cuda.synchronize(dd)
+            t0 = time.perf_counter()
+            for _ in range(20):
+                b.copy_(a)
+            torch.cuda.synchronize(sd)
+            torch.cuda.synchronize(dd)
+            row["torch_copy_gb_per_s"] = round(SIZE * 20 / (time.perf_counter() - t0) / 1e9, 3)
+            row["ratio_1_pair"] = round(row["kvxferd_1_pairs_gb_per_s"] / row["torch_copy_gb_per_s"], 3)
+            out[name] = row
+        for m in rings.values():
+            m.close()
+    except Exception:
+        out["error"] = traceback.format_exc()[-1500:]
+    conn.send(out)
 
 
 def main() -> None:
@@ -154,6 +206,13 @@ def main() -> None:
             keep.append(t)
             handles[dev * 10 + dev + dst] = cuda_ipc.export_tensor(t)
     pairs = [(0, 0)] + ([(0, 1)] if ngpu > 1 else [])
+    ctx = mp.get_context("spawn")
+    a_conn, b_conn = ctx.Pipe()
+    p = ctx.Process(target=copy_child, args=(handles, b_conn))
+    p.start()
+    copies = a_conn.recv() if a_conn.poll(120) else {"error": "no answer"}
+    p.join(30)
+    print(json.dumps({"same_node_copies": copies}), flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for kind in ("own", "ipc"):
@@ -178,7 +237,7 @@ def main() -> None:
     print(json.dumps({"device_copy_gb_per_s": base}), flush=True)
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as fh:
-            json.dump({"variants": rows, "device_copy_gb_per_s": base}, fh, indent=1)
+            json.dump({"same_node_copies": copies, "variants": rows, "device_copy_gb_per_s": base}, fh, indent=1)
 
 
 if __name__ == "__main__":
