@@ -281,9 +281,12 @@ def export_tensor(tensor: torch.Tensor) -> CudaIpcHandle:
 class ImportedMemory:
     """A peer's device memory mapped into this process. Close exactly once."""
 
-    def __init__(self, libs: _CudaLibs, base: int, handle: CudaIpcHandle, device_index: int) -> None:
+    def __init__(self, libs: _CudaLibs, base: int, handle: CudaIpcHandle, device_index: int,
+                 context_device: int | None = None) -> None:
         self._libs = libs
         self._base = base
+        # The device whose context holds this mapping (another GPU's for a peer mapping).
+        self.context_device = device_index if context_device is None else context_device
         self._lock = threading.Lock()
         self._closed = False
         self.ptr = base + handle.offset
@@ -301,7 +304,7 @@ class ImportedMemory:
             if self._closed:
                 return
             self._closed = True
-            with _OnDevice(self._libs, self.device_index):
+            with _OnDevice(self._libs, self.context_device):
                 self._libs.check(
                     self._libs.cudart.cudaIpcCloseMemHandle(ctypes.c_void_p(self._base)),
                     "cudaIpcCloseMemHandle",
@@ -345,8 +348,10 @@ class _CudaArray:
         }
 
 
-def open_handle(handle: CudaIpcHandle) -> ImportedMemory:
-    """Map a peer's exported range into this process (must be another process)."""
+def open_handle(handle: CudaIpcHandle, context_device: int | None = None) -> ImportedMemory:
+    """Map a peer's exported range into this process (must be another process): in the context of
+    the GPU that holds it, or with `context_device` in another GPU's context, as a peer mapping
+    that GPU's copy engines reach over the peer link (see kvxferd.gpu.PeerViews)."""
     if not isinstance(handle, CudaIpcHandle):
         raise ValueError(f"expected a CudaIpcHandle, got {type(handle).__name__}")
     libs = _load()
@@ -354,11 +359,11 @@ def open_handle(handle: CudaIpcHandle) -> ImportedMemory:
     raw = _IpcMemHandle()
     ctypes.memmove(ctypes.byref(raw), handle.handle, IPC_HANDLE_BYTES)
     base = ctypes.c_void_p()
-    with _OnDevice(libs, index):
+    with _OnDevice(libs, index if context_device is None else context_device):
         libs.check(
             libs.cudart.cudaIpcOpenMemHandle(ctypes.byref(base), raw, _CUDA_IPC_LAZY_ENABLE_PEER_ACCESS),
             "cudaIpcOpenMemHandle",
         )
     if not base.value:
         raise CudaIpcError("cudaIpcOpenMemHandle returned a null pointer")
-    return ImportedMemory(libs, base.value, handle, index)
+    return ImportedMemory(libs, base.value, handle, index, context_device)

@@ -20,6 +20,7 @@ timeout 300 python3 bench/device/ucx_cuda_ipc_probe.py "$OUT/probe.json" 2>&1 | 
 
 PYTEST=(python3 -m pytest -q -p no:cacheprovider -o addopts="" -rfEs)
 [ -n "${PROBE_ONLY:-}" ] && exit 0  # the probe alone (its JSON is $OUT/probe.json)
+# PROBE_COPIES_ONLY=1: the probe skips the UCX variants (same-node copies only), the tests run.
 KVX_GPU_RESULTS=$OUT/results.jsonl KVX_GPU_LOGDIR=/tmp/kvx-logs timeout -s INT -k 30 330 \
   "${PYTEST[@]}" tests/gpu/test_gpu_two_gpus.py "tests/gpu/test_gpu_e2e.py::test_same_node_device_copy" \
   2>&1 | tee "$OUT/pytest.log" | tail -30

@@ -26,6 +26,32 @@ from typing import Any
 SIZE = 64 << 20
 
 
+def torch_copy_gbps(sd: int, dd: int, reps: int = 20) -> float:
+    """SIZE bytes GPU sd -> GPU dd between tensors of this process (cudaMemcpyPeerAsync across GPUs)."""
+    import torch
+
+    a = torch.empty(SIZE, dtype=torch.uint8, device=f"cuda:{sd}")
+    b = torch.empty(SIZE, dtype=torch.uint8, device=f"cuda:{dd}")
+    b.copy_(a)
+    torch.cuda.synchronize(sd)
+    torch.cuda.synchronize(dd)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        b.copy_(a)
+    torch.cuda.synchronize(sd)
+    torch.cuda.synchronize(dd)
+    return round(SIZE * reps / (time.perf_counter() - t0) / 1e9, 3)
+
+
+def _run_child(ctx: Any, target: Any, handles: dict[int, Any]) -> dict[str, Any]:
+    a_conn, b_conn = ctx.Pipe()
+    p = ctx.Process(target=target, args=(handles, b_conn))
+    p.start()
+    got: dict[str, Any] = a_conn.recv() if a_conn.poll(120) else {"error": "no answer"}
+    p.join(30)
+    return got
+
+
 def _redirect(path: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.dup2(fd, 1)
@@ -83,11 +109,11 @@ def child(role: str, kind: str, device: int, handle: Any, conn: Any, log: str) -
             name = tr.add_remote(md)
             reps, t0 = 0, time.perf_counter()
             while reps < 20 and (reps < 2 or time.perf_counter() - t0 < 2.0):
-                h = tr.post_write(name, [(ptr, rptr, SIZE)], b"probe", "VRAM", "VRAM", device, rdev)
-                while tr.check(h) is XferState.PENDING:
+                xh = tr.post_write(name, [(ptr, rptr, SIZE)], b"probe", "VRAM", "VRAM", device, rdev)
+                while tr.check(xh) is XferState.PENDING:
                     time.sleep(0.0001)
-                assert tr.check(h) is XferState.DONE, h.error
-                tr.release(h)
+                assert tr.check(xh) is XferState.DONE, xh.error
+                tr.release(xh)
                 reps += 1
                 if reps == 1:
                     t0 = time.perf_counter()  # the first WRITE sets the connection up: not timed
@@ -139,7 +165,14 @@ def run(kind: str, src_dev: int, dst_dev: int, handles: dict[int, Any], tmp: str
             with open(log, errors="replace") as fh:
                 # UCX_PROTO_INFO tables: a header naming the operation and memory types, then rows.
                 lines += [ln.split("]", 2)[-1].strip() for ln in fh if "|" in ln or "ucp_" in ln.lower()]
-        res["ucx_proto_lines"] = [ln for ln in lines if ln.strip("|-+ ")][:80]
+        lines = [ln for ln in lines if ln.strip("|-+ ")]
+        keep, on = [], False
+        for ln in lines:  # the tables whose operation moves cuda memory, header and rows
+            if "memory" in ln and ("ucp_" in ln):
+                on = "cuda" in ln
+            if on:
+                keep.append(ln)
+        res["ucx_proto_lines"] = keep[:60]
     return res
 
 
@@ -151,9 +184,11 @@ def copy_child(handles: dict[int, Any], conn: Any) -> None:
         import torch
 
         from kvxferd import cuda_ipc
-        from kvxferd.gpu import device_copies
+        from kvxferd.gpu import device_copies, peer_views
 
         rings = {k: cuda_ipc.open_handle(h) for k, h in handles.items()}
+        for k, m in rings.items():  # as the daemon's importer does
+            peer_views.add(m.ptr, m.size, handles[k], m.device_index)
         for name, (sk, dk, sd, dd) in {"0->0": (0, 100, 0, 0), "0->1": (0, 111, 0, 1)}.items():
             if dk not in rings:
                 continue
@@ -172,21 +207,73 @@ def copy_child(handles: dict[int, Any], conn: Any) -> None:
                 row[f"kvxferd_{parts}_pairs_gb_per_s"] = round(SIZE * 20 / (time.perf_counter() - t0) / 1e9, 3)
                 row["link"] = link
             row["byte_exact"] = bool(torch.equal(src.as_tensor().to(f"cuda:{dd}"), dst.as_tensor()))
-            a = torch.empty(SIZE, dtype=torch.uint8, device=f"cuda:{sd}")
-            b = torch.empty(SIZE, dtype=torch.uint8, device=f"cuda:{dd}")
-            b.copy_(a)
-            torch.cuda.synchronize(sd)
-            torch.cuda.synchronize(dd)
-            t0 = time.perf_counter()
-            for _ in range(20):
-                b.copy_(a)
-            torch.cuda.synchronize(sd)
-            torch.cuda.synchronize(dd)
-            row["torch_copy_gb_per_s"] = round(SIZE * 20 / (time.perf_counter() - t0) / 1e9, 3)
+            row["torch_copy_gb_per_s"] = torch_copy_gbps(sd, dd)
             row["ratio_1_pair"] = round(row["kvxferd_1_pairs_gb_per_s"] / row["torch_copy_gb_per_s"], 3)
             out[name] = row
         for m in rings.values():
+            peer_views.remove(m.ptr)
             m.close()
+    except Exception:
+        out["error"] = traceback.format_exc()[-1500:]
+    conn.send(out)
+
+
+def copy_variants(handles: dict[int, Any], conn: Any) -> None:
+    """GPU 0 ring -> GPU 1 ring, both imported by CUDA IPC, 64 MiB x 20 each way of issuing the copy:
+    push (cudaMemcpyAsync on GPU 0's stream: kvxferd's form), pull (on GPU 1's stream),
+    cudaMemcpyPeerAsync, and the GPU 1 ring opened a second time with GPU 0 current (a peer
+    mapping in GPU 0's context) then pushed."""
+    out: dict[str, Any] = {}
+    try:
+        import torch
+
+        from kvxferd import cuda_ipc
+        from kvxferd.gpu import peer_access
+
+        libs = cuda_ipc._load()
+        rt = libs.cudart
+        src, dst = cuda_ipc.open_handle(handles[0]), cuda_ipc.open_handle(handles[111])
+        peer_access.link("VRAM", 0, "VRAM", 1)
+
+        def timed(name: str, dev: int, issue: Any) -> None:
+            try:
+                with cuda_ipc._OnDevice(libs, dev):
+                    stream = ctypes.c_void_p()
+                    libs.check(rt.cudaStreamCreateWithFlags(ctypes.byref(stream), 1), "stream")
+                    issue(stream)
+                    libs.check(rt.cudaStreamSynchronize(stream), "sync")
+                    t0 = time.perf_counter()
+                    for _ in range(20):
+                        issue(stream)
+                    libs.check(rt.cudaStreamSynchronize(stream), "sync")
+                    out[name] = round(SIZE * 20 / (time.perf_counter() - t0) / 1e9, 3)
+            except Exception as exc:
+                out[name] = f"{type(exc).__name__}: {exc}"
+
+        def memcpy(d: int, s_: int) -> Any:
+            return lambda st: libs.check(rt.cudaMemcpyAsync(ctypes.c_void_p(d), ctypes.c_void_p(s_),
+                                                            ctypes.c_size_t(SIZE), 4, st), "cudaMemcpyAsync")
+
+        timed("push_src_stream", 0, memcpy(dst.ptr, src.ptr))
+        timed("pull_dst_stream", 1, memcpy(dst.ptr, src.ptr))
+        timed("memcpy_peer_async", 0, lambda st: libs.check(rt.cudaMemcpyPeerAsync(
+            ctypes.c_void_p(dst.ptr), 1, ctypes.c_void_p(src.ptr), 0, ctypes.c_size_t(SIZE), st), "cudaMemcpyPeerAsync"))
+        # The GPU 1 ring mapped again, GPU 0 current.
+        raw = cuda_ipc._IpcMemHandle()
+        ctypes.memmove(ctypes.byref(raw), handles[111].handle, cuda_ipc.IPC_HANDLE_BYTES)
+        base = ctypes.c_void_p()
+        with cuda_ipc._OnDevice(libs, 0):
+            rc = rt.cudaIpcOpenMemHandle(ctypes.byref(base), raw, 1)
+        out["reopen_on_gpu0"] = "ok" if rc == 0 else f"CUDA error {rc}"
+        rt.cudaGetLastError()
+        if rc == 0:
+            out["reopen_same_pointer"] = base.value == dst.ptr - handles[111].offset
+            timed("push_peer_mapping", 0, memcpy(base.value + handles[111].offset, src.ptr))
+        t = torch.empty(SIZE, dtype=torch.uint8, device="cuda:0")
+        u = torch.empty(SIZE, dtype=torch.uint8, device="cuda:1")
+        timed("own_memory_push", 0, memcpy(u.data_ptr(), t.data_ptr()))
+        timed("own_to_imported_push", 0, memcpy(dst.ptr, t.data_ptr()))
+        timed("imported_to_own_push", 0, memcpy(u.data_ptr(), src.ptr))
     except Exception:
         out["error"] = traceback.format_exc()[-1500:]
     conn.send(out)
@@ -207,12 +294,17 @@ def main() -> None:
             handles[dev * 10 + dev + dst] = cuda_ipc.export_tensor(t)
     pairs = [(0, 0)] + ([(0, 1)] if ngpu > 1 else [])
     ctx = mp.get_context("spawn")
-    a_conn, b_conn = ctx.Pipe()
-    p = ctx.Process(target=copy_child, args=(handles, b_conn))
-    p.start()
-    copies = a_conn.recv() if a_conn.poll(120) else {"error": "no answer"}
-    p.join(30)
+    copies = _run_child(ctx, copy_child, handles)
     print(json.dumps({"same_node_copies": copies}), flush=True)
+    variants: dict[str, Any] = {}
+    if ngpu > 1:
+        variants = _run_child(ctx, copy_variants, handles)
+        print(json.dumps({"cross_gpu_copy_variants": variants}), flush=True)
+    if os.environ.get("PROBE_COPIES_ONLY"):
+        if len(sys.argv) > 1:
+            with open(sys.argv[1], "w") as fh:
+                json.dump({"same_node_copies": copies, "cross_gpu_copy_variants": variants}, fh, indent=1)
+        return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for kind in ("own", "ipc"):
@@ -221,23 +313,12 @@ def main() -> None:
                 print(json.dumps(r), flush=True)
                 rows.append(r)
     # Device copies in the same run, for the ratios.
-    base = {}
-    for s, d in pairs:
-        a = torch.empty(SIZE, dtype=torch.uint8, device=f"cuda:{s}")
-        b = torch.empty(SIZE, dtype=torch.uint8, device=f"cuda:{d}")
-        b.copy_(a)
-        torch.cuda.synchronize(s)
-        torch.cuda.synchronize(d)
-        t0 = time.perf_counter()
-        for _ in range(20):
-            b.copy_(a)
-        torch.cuda.synchronize(s)
-        torch.cuda.synchronize(d)
-        base[f"{s}->{d}"] = round(SIZE * 20 / (time.perf_counter() - t0) / 1e9, 3)
+    base = {f"{s}->{d}": torch_copy_gbps(s, d) for s, d in pairs}
     print(json.dumps({"device_copy_gb_per_s": base}), flush=True)
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as fh:
-            json.dump({"same_node_copies": copies, "variants": rows, "device_copy_gb_per_s": base}, fh, indent=1)
+            json.dump({"same_node_copies": copies, "cross_gpu_copy_variants": variants, "variants": rows,
+                       "device_copy_gb_per_s": base}, fh, indent=1)
 
 
 if __name__ == "__main__":
