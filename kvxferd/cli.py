@@ -219,11 +219,13 @@ def _status(args: argparse.Namespace) -> int:
         caps.add_row(c.name, str(c.used), str(c.limit), style="bold red" if c.used >= c.limit else None)
     con.print(caps)
     peers = Table(title="peers")
-    for col in ("daemon", "address", "state", "active rooms"):
+    for col in ("daemon", "address", "state", "active rooms", "path"):
         peers.add_column(col)
     for p in st.peers:
-        peers.add_row(p.daemon_id, p.address, p.state, str(p.rooms))
+        peers.add_row(p.daemon_id, p.address, p.state, str(p.rooms), p.path)
     con.print(peers)
+    for line in st.gpu_links:
+        con.print(f"same-node GPU copies: {line}")
     caps = Table(title="peer caps")
     for col in ("cap", "used", "limit"):
         caps.add_column(col, justify="left" if col == "cap" else "right")

@@ -159,6 +159,11 @@ def _never(_a: int, _b: int) -> bool:
 peer_access = _PeerAccess()
 
 
+def gpu_links() -> list[str]:
+    """The GPU pairs same-node copies have run between and their link, for status."""
+    return [f"GPU {a} <-> GPU {b}: {link}" for (a, b), link in sorted(peer_access.known().items())]
+
+
 class PeerViews:
     """The GPU rings this daemon imported, by address, each also mapped into another GPU's context
     when a copy from that GPU first needs it (and unmapped with the ring).

@@ -23,7 +23,7 @@ from kvxferd import errors
 from kvxferd.convert import chunk_spec, engine_spec, room_event_pb, room_key, room_status_pb, watermark_pb
 from kvxferd.domain import Role, SlotRef
 from kvxferd.engines import Engine, Ring
-from kvxferd.gpu import gpu_data_path
+from kvxferd.gpu import gpu_data_path, gpu_links
 from kvxferd.lane import LANE_SUFFIX
 from kvxferd.limits import MAX_ID, StreamTicket, check_len
 from kvxferd.memory import POOL_SUFFIX
@@ -331,7 +331,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             peers=[
                 engine_pb2.PeerInfo(
                     daemon_id=p.daemon_id, address=p.address, state="up" if p.up and not p.broken else "down",
-                    rooms=self._node.rooms_with(p),
+                    rooms=self._node.rooms_with(p), path="local" if p.is_self else "nixl",
                 )
                 for p in st["peers"]  # type: ignore[attr-defined]
             ],
@@ -347,6 +347,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                   for c in st["caps"]],  # type: ignore[attr-defined]
             peer_caps=[engine_pb2.CapUsage(name=c.name, used=c.used, limit=c.limit) for c in peer_side.caps],
             peer_auth=peer_side.auth_mode,
+            gpu_links=gpu_links(),
         )
 
 

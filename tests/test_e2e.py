@@ -94,6 +94,10 @@ def test_two_hundred_rooms_same_and_mixed_tp(daemons: Any) -> None:
         st = status(d.socket)
         assert st.slots_held == 0, f"{d.name} still holds {st.slots_held} slots"
         assert st.rooms_by_state.get("FAILED", 0) == 0
+        # The path each peer's chunks took (issue #38): the other daemon over NIXL, no GPU copies here.
+        other = "decode" if d is pre else "prefill"
+        assert [(p.daemon_id, p.path) for p in st.peers if p.daemon_id != d.name] == [(other, "nixl")], st.peers
+        assert list(st.gpu_links) == []
 
 
 @pytest.mark.parametrize("ptp,dtp", [(4, 2), (2, 4), (1, 4)])

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
+
+from kvxferd import gpu
 from kvxferd.gpu import (
     LINK_HOST,
     LINK_HOST_GPU,
@@ -84,3 +87,10 @@ def test_peer_views_map_a_ring_into_the_copying_gpu_once() -> None:
     assert len(views) == 1
     assert views.translate(0x10_0800, 0x100, 0) == 0x10_0800
     views.remove(0x10_0000)  # twice: nothing to do
+
+
+def test_status_lines_name_each_pair_and_its_link(monkeypatch: pytest.MonkeyPatch) -> None:
+    pa = _PeerAccess()
+    pa._links.update({(1, 3): LINK_STAGED, (0, 1): LINK_PEER})
+    monkeypatch.setattr(gpu, "peer_access", pa)
+    assert gpu.gpu_links() == ["GPU 0 <-> GPU 1: local-p2p", "GPU 1 <-> GPU 3: local-staged"]

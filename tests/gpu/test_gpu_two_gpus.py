@@ -23,7 +23,7 @@ import torch
 
 from kvxferd.gpu import LINK_PEER, LINK_STAGED
 from tests.conftest import DaemonProc
-from tests.gpu.conftest import daemon_pair, transfer_bytes
+from tests.gpu.conftest import daemon_pair, daemon_status, transfer_bytes
 from tests.gpu.harness import Case, CaseResult, run_case
 from tests.gpu.test_gpu_e2e import check, row
 
@@ -102,6 +102,7 @@ def test_one_daemon_two_gpus(daemons: tuple[DaemonProc, DaemonProc], record: Cal
     peer = copy_gbps(chunk, PRE, DEC)
     res = run_local(big, pre, record, memcpy_peer_gb_per_s=round(peer, 3), chunk_bytes=chunk)
     assert res.gbps > 0
+    assert f"GPU 0 <-> GPU 1: {expected_link()}" in daemon_status(pre).gpu_links
 
 
 @pytest.mark.timeout(600)
@@ -120,3 +121,4 @@ def test_two_daemons_two_gpus(daemons: tuple[DaemonProc, DaemonProc], record: Ca
                    memcpy_peer_gb_per_s=round(peer, 3)))
         check(res, pre, dec)
         assert after.get("nixl", 0) - before.get("nixl", 0) == case.decode_bytes()
+    assert {p.path for p in daemon_status(pre).peers if p.daemon_id == dec.name} == {"nixl"}

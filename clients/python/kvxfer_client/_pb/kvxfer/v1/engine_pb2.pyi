@@ -366,18 +366,20 @@ class EngineInfo(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., name: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., group: _Optional[str] = ..., parallel: _Optional[_Union[_common_pb2.Parallelism, _Mapping]] = ..., ring_kind: _Optional[str] = ..., ring_bytes: _Optional[int] = ..., ring_used_bytes: _Optional[int] = ..., slots_held: _Optional[int] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("daemon_id", "address", "state", "bytes_sent", "rooms")
+    __slots__ = ("daemon_id", "address", "state", "bytes_sent", "rooms", "path")
     DAEMON_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     ROOMS_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
     daemon_id: str
     address: str
     state: str
     bytes_sent: int
     rooms: int
-    def __init__(self, daemon_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., bytes_sent: _Optional[int] = ..., rooms: _Optional[int] = ...) -> None: ...
+    path: str
+    def __init__(self, daemon_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., bytes_sent: _Optional[int] = ..., rooms: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
 
 class CapUsage(_message.Message):
     __slots__ = ("name", "used", "limit")
@@ -390,7 +392,7 @@ class CapUsage(_message.Message):
     def __init__(self, name: _Optional[str] = ..., used: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class DaemonStatus(_message.Message):
-    __slots__ = ("daemon_id", "version", "serving", "engines", "peers", "rooms_by_state", "slots_held", "pool_bytes", "pool_backing", "pool_huge_bytes", "uptime_s", "peer_address", "gpu_data_path", "caps", "peer_caps", "peer_auth")
+    __slots__ = ("daemon_id", "version", "serving", "engines", "peers", "rooms_by_state", "slots_held", "pool_bytes", "pool_backing", "pool_huge_bytes", "uptime_s", "peer_address", "gpu_data_path", "caps", "peer_caps", "peer_auth", "gpu_links")
     class RoomsByStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -414,6 +416,7 @@ class DaemonStatus(_message.Message):
     CAPS_FIELD_NUMBER: _ClassVar[int]
     PEER_CAPS_FIELD_NUMBER: _ClassVar[int]
     PEER_AUTH_FIELD_NUMBER: _ClassVar[int]
+    GPU_LINKS_FIELD_NUMBER: _ClassVar[int]
     daemon_id: str
     version: str
     serving: bool
@@ -430,4 +433,5 @@ class DaemonStatus(_message.Message):
     caps: _containers.RepeatedCompositeFieldContainer[CapUsage]
     peer_caps: _containers.RepeatedCompositeFieldContainer[CapUsage]
     peer_auth: str
-    def __init__(self, daemon_id: _Optional[str] = ..., version: _Optional[str] = ..., serving: _Optional[bool] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., rooms_by_state: _Optional[_Mapping[str, int]] = ..., slots_held: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., pool_backing: _Optional[str] = ..., pool_huge_bytes: _Optional[int] = ..., uptime_s: _Optional[float] = ..., peer_address: _Optional[str] = ..., gpu_data_path: _Optional[str] = ..., caps: _Optional[_Iterable[_Union[CapUsage, _Mapping]]] = ..., peer_caps: _Optional[_Iterable[_Union[CapUsage, _Mapping]]] = ..., peer_auth: _Optional[str] = ...) -> None: ...
+    gpu_links: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, daemon_id: _Optional[str] = ..., version: _Optional[str] = ..., serving: _Optional[bool] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., rooms_by_state: _Optional[_Mapping[str, int]] = ..., slots_held: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., pool_backing: _Optional[str] = ..., pool_huge_bytes: _Optional[int] = ..., uptime_s: _Optional[float] = ..., peer_address: _Optional[str] = ..., gpu_data_path: _Optional[str] = ..., caps: _Optional[_Iterable[_Union[CapUsage, _Mapping]]] = ..., peer_caps: _Optional[_Iterable[_Union[CapUsage, _Mapping]]] = ..., peer_auth: _Optional[str] = ..., gpu_links: _Optional[_Iterable[str]] = ...) -> None: ...
