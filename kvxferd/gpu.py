@@ -180,7 +180,8 @@ class PeerViews:
         self._lock = threading.Lock()
         self._starts: list[int] = []  # sorted ring addresses
         self._rings: dict[int, tuple[int, Any, int]] = {}  # address -> (size, IPC handle, device)
-        self._views: dict[tuple[int, int], Any] = {}  # (ring address, context device) -> mapping
+        # (ring address, context device) -> mapping, or None where it could not be made
+        self._views: dict[tuple[int, int], Any] = {}
 
     def add(self, addr: int, size: int, handle: Any, device: int) -> None:
         with self._lock:
@@ -194,7 +195,7 @@ class PeerViews:
                 return
             self._starts.remove(addr)
             views = [self._views.pop(k) for k in [k for k in self._views if k[0] == addr]]
-        for v in views:
+        for v in filter(None, views):
             try:
                 v.close()
             except Exception as exc:  # the ring is going anyway: say so, do not fail its release
@@ -211,12 +212,20 @@ class PeerViews:
             size, handle, home = self._rings[start]
             if home == device or addr + length > start + size:
                 return addr
-            view = self._views.get((start, device))
-            if view is None:
-                view = self._views[(start, device)] = self._open(handle, device)
-                logger.info("GPU ring at 0x%x (GPU %d) mapped into GPU %d's context for peer copies",
-                            start, home, device)
-            return int(view.ptr) + (addr - start)
+            key = (start, device)
+            if key not in self._views:
+                try:
+                    self._views[key] = self._open(handle, device)
+                    logger.info("GPU ring at 0x%x (GPU %d) mapped into GPU %d's context for peer copies",
+                                start, home, device)
+                except Exception as exc:
+                    # The copy still works through the ring's own mapping, only slower: say so once.
+                    self._views[key] = None
+                    logger.warning("cannot map the GPU ring at 0x%x (GPU %d) into GPU %d's context (%s): "
+                                   "copies into it from GPU %d go through its own mapping, about a tenth "
+                                   "of the peer link's speed", start, home, device, exc, device)
+            view = self._views[key]
+            return addr if view is None else int(view.ptr) + (addr - start)
 
     def __len__(self) -> int:
         return len(self._rings)
@@ -293,6 +302,12 @@ def vram_over_nixl(sys_root: str = "/sys") -> tuple[bool, str]:
     that lets the NIC reach GPU memory, and UCX's CUDA transport. Without them UCX moves VRAM over
     TCP through host bounce buffers (0.20-0.27 GB/s measured on an H200 box, against ~5 GB/s
     DRAM to DRAM), so the pinned host path is the fast one. Reads files only: no CUDA, no NIXL.
+
+    Two daemons on one host get no CUDA IPC from UCX either: its cuda_ipc transport exports the
+    registered range with cuIpcGetMemHandle, which refuses a range that was itself imported by
+    CUDA IPC (the daemon's rings: the engine owns the allocation), so UCX falls back to TCP
+    (0.34-0.45 GB/s; 60 GB/s for memory the process cudaMalloc'd itself, two H200s:
+    bench/results/gpu-p2p-h200x2.json).
     """
     ok, why = _probe_vram(Path(sys_root))
     logger.info("VRAM over NIXL %s: %s", "is fast" if ok else "is slow here, GPU engines use pinned host rings", why)

@@ -94,3 +94,19 @@ def test_status_lines_name_each_pair_and_its_link(monkeypatch: pytest.MonkeyPatc
     pa._links.update({(1, 3): LINK_STAGED, (0, 1): LINK_PEER})
     monkeypatch.setattr(gpu, "peer_access", pa)
     assert gpu.gpu_links() == ["GPU 0 <-> GPU 1: local-p2p", "GPU 1 <-> GPU 3: local-staged"]
+
+
+def test_a_ring_that_cannot_be_mapped_is_copied_through_its_own_mapping() -> None:
+    tries: list[int] = []
+
+    def refuse(handle: str, device: int) -> FakeView:
+        tries.append(device)
+        raise RuntimeError("cudaIpcOpenMemHandle failed: CUDA error 1 (invalid argument)")
+
+    views = PeerViews(refuse)
+    views.add(0x10_0000, 0x1_0000, "ring-on-gpu1", 1)
+    assert views.translate(0x10_0800, 0x100, 0) == 0x10_0800
+    assert views.translate(0x10_0900, 0x100, 0) == 0x10_0900
+    assert tries == [0]  # tried once, not per copy
+    views.remove(0x10_0000)  # nothing to unmap
+    assert len(views) == 0
