@@ -44,6 +44,7 @@ from kvxferd.metrics import Metrics, start_metrics_server
 from kvxferd.node import Node
 from kvxferd.notif import join_notifs
 from kvxferd.owned import Busy, OwnerLock, check_dir, listen_failure_hint
+from kvxferd.peer_calls import PeerCallGuard
 from kvxferd.peer_heal import PAUSE_S
 from kvxferd.peer_link import grpc_options
 from kvxferd.peer_servicer import PEER_UNARY, PeerServicer, WireServer
@@ -239,7 +240,10 @@ async def _start(d: _Daemon, ready: Callable[[Ready], None] | None) -> None:
     peer_server = grpc.aio.server(options=[*opts, *server_options(caps.peer_connections)])
     d.servers = [engine_server, peer_server]
     # Undecodable requests: INVALID_ARGUMENT and a summary line, not UNKNOWN and a traceback each.
-    engine, peer = DecodeGuard(engine_server, RefusalLog("engine API")), DecodeGuard(peer_server, RefusalLog("peer port"))
+    # Peer port calls: per-source caps with room kept for peers (kvxferd.peer_calls), then the decode check.
+    calls = PeerCallGuard(peer_server, config.max_peer_calls_per_source, caps.unauthenticated_streams, config.peers,
+                          metrics.peer_calls_refused, RefusalLog("peer port calls"))
+    engine, peer = DecodeGuard(engine_server, RefusalLog("engine API")), DecodeGuard(calls, RefusalLog("peer port"))
     engine_servicer = EngineServicer(node, metrics, _cuda_importer(transport), peers.status)
     engine_pb2_grpc.add_EngineServicer_to_server(engine_servicer, engine)
     peer_servicer = PeerServicer(ident, peers, transport)

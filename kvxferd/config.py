@@ -18,6 +18,8 @@ from typing import Any
 
 import tomllib
 
+from kvxferd.addresses import split_hostport as split_hostport
+from kvxferd.addresses import valid_hostport as _valid_hostport
 from kvxferd.owned import check_dir
 
 
@@ -190,9 +192,13 @@ class Config:
     max_peer_metadata_bytes: int = 1 << 20
     max_peer_batch_msgs: int = PEER_BATCH_MSGS
     # Listener bounds (kvxferd.listeners): gRPC peer port connections (0: from max_peers and
-    # RLIMIT_NOFILE); framed streams before their Hello (over it the oldest stranger is evicted).
+    # RLIMIT_NOFILE); framed streams before their Hello, and gRPC peer port calls before they
+    # authenticate, each (over it the oldest stranger stream of the biggest source is cut).
     max_peer_connections: int = 0
     max_unauthenticated_streams: int = 64
+    # gRPC peer port calls one source (an IP; an IPv6 /64) holds before they authenticate: a newcomer
+    # over it cuts that source's oldest such stream, or is refused (kvxferd.peer_calls).
+    max_peer_calls_per_source: int = 32
     # Fleet registry ([registry] table in the file; KVXFERD_REGISTRY_* in the environment).
     # "none": rooms name their prefill daemon's address; "etcd": daemons publish themselves
     # under a lease and rooms may name a prefill group only.
@@ -369,6 +375,7 @@ _CAP_RANGES = (
     ("max_tombstones", 16, 1 << 22),
     ("max_peer_connections", 0, 1 << 20),
     ("max_unauthenticated_streams", 1, 1 << 16),
+    ("max_peer_calls_per_source", 1, 1 << 16),
 )
 
 
@@ -384,22 +391,6 @@ def usable_cpus(cgroup_root: str = "/sys/fs/cgroup") -> int:
     except (OSError, ValueError):
         pass
     return cpus
-
-
-def split_hostport(address: str) -> tuple[str, int]:
-    """HOST:PORT as (host, port) for a socket call: an IPv6 host loses its brackets."""
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port)
-
-
-def _valid_hostport(value: str) -> bool:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        return False
-    # An IPv6 host must be bracketed; "1.2.3.4:5:6" would otherwise go to a resolver as a name.
-    if ":" in host and not (host.startswith("[") and host.endswith("]")):
-        return False
-    return 0 <= int(port) <= 65535
 
 
 def _check_socket_path(path: str) -> None:

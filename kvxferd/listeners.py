@@ -150,15 +150,13 @@ class _Undecodable:
         self.why = why
 
 
-class DecodeGuard:
-    """Stands in for a grpc.aio.Server while the generated add_*_to_server functions register
-    their handlers: every handler's request deserializer is made unable to raise, and a request
-    that does not decode is answered INVALID_ARGUMENT (gRPC would answer UNKNOWN, with a
-    traceback in the log each time)."""
+class HandlerGuard:
+    """Stands in for a grpc.aio.Server (or another guard) while the generated add_*_to_server
+    functions register their handlers: each handler is replaced by `_guard(method, handler)` once.
+    Guards stack: the one registered through last runs first."""
 
-    def __init__(self, server: grpc.aio.Server, log: RefusalLog) -> None:
+    def __init__(self, server: Any) -> None:
         self._server = server
-        self._log = log
 
     def add_generic_rpc_handlers(self, handlers: Any) -> None:
         self._server.add_generic_rpc_handlers(tuple(_GuardedGeneric(h, self._guard) for h in handlers))
@@ -166,6 +164,19 @@ class DecodeGuard:
     def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
         self._server.add_registered_method_handlers(
             service, {name: self._guard(f"/{service}/{name}", h) for name, h in handlers.items()})
+
+    def _guard(self, method: str, handler: Any) -> Any:
+        return handler
+
+
+class DecodeGuard(HandlerGuard):
+    """Every handler's request deserializer is made unable to raise, and a request that does not
+    decode is answered INVALID_ARGUMENT (gRPC would answer UNKNOWN, with a traceback in the log
+    each time)."""
+
+    def __init__(self, server: Any, log: RefusalLog) -> None:
+        super().__init__(server)
+        self._log = log
 
     def _guard(self, method: str, handler: Any) -> Any:
         deserialize = handler.request_deserializer if handler is not None else None

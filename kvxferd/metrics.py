@@ -121,8 +121,8 @@ class Metrics:
         )
         self.notifs_dropped = Counter(
             "kvxferd_notifs_dropped", "NIXL notifications that counted for nothing, by reason (malformed; sender: "
-            "not the room's writer; stale: room unknown or ended; range, credit, held, writer: outside what "
-            "the writer was granted)", ["reason"], registry=r,
+            "not the room's writer; token: without the room's token; stale: room unknown or ended; range, "
+            "credit, held, writer: outside what the writer was granted)", ["reason"], registry=r,
         )
         self.page_fences = Counter(
             "kvxferd_page_fences", "Zero-copy decode rooms whose pages were fenced after a failure, by event "
@@ -147,6 +147,10 @@ class Metrics:
                                     "(mtls, secret, host-secret, insecure)", ["mode"], registry=r)
         self.peer_refusals = Counter("kvxferd_peer_refusals", "Peer requests refused before touching any state",
                                      ["reason"], registry=r)
+        self.peer_calls_refused = Counter(
+            "kvxferd_peer_calls_refused", "gRPC peer port calls refused or cut before they authenticated "
+            "(source: max_peer_calls_per_source; total: max_unauthenticated_streams; cut: an older one cut for a "
+            "newcomer)", ["reason"], registry=r)
         # Fleet registry (etcd): 1 while this daemon's record is published and the watch runs;
         # 0 means lookups of groups not seen yet cannot succeed (transfers are unaffected).
         # Labelled so that a daemon without a registry exports no series (and raises no alert).

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 
 from kvxfer_client._pb.kvxfer.v1 import peer_pb2, peer_pb2_grpc
-from kvxferd import __version__
+from kvxferd import __version__, peer_calls
 from kvxferd.config import Config
 from kvxferd.convert import daemon_ref, daemon_ref_pb
 from kvxferd.errors import KvxferError
@@ -75,6 +75,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         proof, metadata = await self._m.accept_handshake(
             daemon_ref(request.sender), request.agent_name, bytes(request.nixl_metadata), proof_of(request),
             creds_of(context))
+        peer_calls.vouch()  # a peer proved itself from this source: the peer port keeps room for it
         return peer_pb2.HandshakeReply(
             sender=self._me(), agent_name=self._transport.name, nixl_metadata=metadata, version=__version__,
             proof=proof_pb(proof),
@@ -99,6 +100,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         except KvxferError as exc:
             await context.abort(status_of(exc), str(exc))
             return
+        peer_calls.authenticated()  # a peer's stream: no stranger's cap counts it, nor cuts it, any more
         rest = peer_pb2.PeerBatch(msgs=first.msgs[1:])
         reader = asyncio.ensure_future(self._m.serve_stream(h, session, rest, request_iterator))
         refused: BaseException | None = None

@@ -2,28 +2,37 @@
 
 Real daemons; the hostile side is raw sockets from this process. `fl` runs with RLIMIT_NOFILE at
 1024 so that an idle-connection flood of its peer port is cheap; `p1`/`p2` are a fresh pair whose
-first control stream meets a crowd of strangers on p1's framed port.
+first control stream meets a crowd of strangers on p1's framed port; `g1`/`g2` have no framed port
+(their control stream is the Session RPC) and a small per-source cap on the gRPC peer port.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
 import pytest
 
 from kvxfer_client import PrefillSender
+from kvxfer_client._pb.kvxfer.v1 import peer_pb2_grpc
+from kvxferd.addresses import call_source
 from kvxferd.config import Config
 from kvxferd.lane import LANE_SUFFIX, REPLY, REQUEST
+from kvxferd.listeners import RefusalLog
 from kvxferd.metrics import Metrics
+from kvxferd.peer_calls import PeerCallGuard
 from kvxferd.peer_link import PeerLink, Session
 from kvxferd.peer_wire import BATCH, FRAME
 from tests.conftest import DaemonProc
@@ -35,6 +44,7 @@ NOFILE = 1024
 LOW_NOFILE = [sys.executable, "-c", "import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, "
               f"({NOFILE}, {NOFILE})); os.execvp(sys.argv[1], sys.argv[1:])"]
 GARBAGE = b"\xff\xff\xff\xff"  # no protobuf message parses from it (a truncated varint field)
+PER_SOURCE = 8  # g1/g2's max_peer_calls_per_source
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +54,8 @@ def fleet() -> Iterator[dict[str, DaemonProc]]:
         "fl": launch(wd, "fl", prefix=LOW_NOFILE, wait=False),
         "p1": launch(wd, "p1", "--set", "max_peers=4", wait=False),
         "p2": launch(wd, "p2", wait=False),
+        **{n: launch(wd, n, "--set", "peer_stream_port=-1", "--set", f"max_peer_calls_per_source={PER_SOURCE}",
+                     wait=False) for n in ("g1", "g2")},
     }
     try:
         with running(procs):
@@ -253,3 +265,92 @@ async def test_a_framed_stream_cut_before_it_was_taken_up_turns_the_pair_to_the_
     # The next stream is the Session RPC: the framed port is not even dialed.
     assert await link._dial_framed(Config(), None) is None  # type: ignore[arg-type]
     await link.close()
+
+
+def _calls_refused(d: DaemonProc) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return {m[1]: float(m[2]) for m in re.finditer(r'^kvxferd_peer_calls_refused_total\{reason="(\w+)"\} (\S+)$',
+                                                   text, re.M)}
+
+
+def test_stranger_calls_on_the_grpc_peer_port_are_capped_per_source_and_keep_no_pair_out(
+        fleet: dict[str, DaemonProc]) -> None:
+    # Before: no cap per caller on the gRPC peer port (gRPC has none): every Session stream a stranger
+    # opened without a Hello was held. Now one source holds PER_SOURCE, a newcomer cuts its oldest,
+    # and a pair from the strangers' own address (loopback) still handshakes and runs its control
+    # stream over that port while they keep crowding it.
+    g1, g2 = fleet["g1"], fleet["g2"]
+    stop = threading.Event()
+    channels = [grpc.insecure_channel(d.peer_address) for d in (g1, g2)]
+    stubs = [peer_pb2_grpc.PeerStub(ch) for ch in channels]
+    calls: list[list[Any]] = [[], []]
+
+    def no_hello() -> Iterator[Any]:
+        stop.wait(10)  # a stream that never sends its Hello (the daemon gives up on it after 5 s)
+        yield from ()
+
+    def crowd() -> None:
+        for stub, opened in zip(stubs, calls, strict=True):
+            opened.append(stub.Session(no_hello()))
+
+    def cut(opened: list[Any]) -> list[Any]:
+        return [c for c in opened if c.done() and c.code() is grpc.StatusCode.RESOURCE_EXHAUSTED]
+
+    try:
+        for _ in range(3 * PER_SOURCE):
+            crowd()
+        wait_until(lambda: all(len(cut(o)) >= 2 * PER_SOURCE for o in calls), 30,
+                   "the daemons to cut the streams over the per-source cap")
+        for opened in calls:
+            # Exactly the ones over the cap, oldest first, each told which cap cut it.
+            assert len(cut(opened)) == 2 * PER_SOURCE, [c.code() for c in opened if c.done()]
+            assert all("max_peer_calls_per_source" in (c.details() or "") for c in cut(opened)), cut(opened)[0].details()
+
+        def keep_crowding() -> None:
+            while not stop.wait(0.1):
+                crowd()
+
+        crowder = threading.Thread(target=keep_crowding, daemon=True)
+        crowder.start()
+        one_room(g1, g2, 36)  # g2 handshakes with g1 and opens its Session stream among the strangers
+        assert peer_streams(g2).get("grpc", 0) >= 1 and not peer_streams(g2).get("framed"), peer_streams(g2)
+        for d in (g1, g2):
+            assert _calls_refused(d).get("cut", 0) >= 2 * PER_SOURCE, _calls_refused(d)
+    finally:
+        stop.set()
+        for opened in calls:
+            for c in opened:
+                c.cancel()
+        for ch in channels:
+            ch.close()
+
+
+def test_the_peer_call_guard_keeps_room_for_peers_past_the_total_cap() -> None:
+    # The refusals the daemons above never reach (their strangers' streams are cut first): calls
+    # that cannot be cut (unary ones in flight) fill a source's cap, then the total.
+    guard = PeerCallGuard(None, per_source=2, total=4, peers=("10.0.0.9:7471", "[fd00::9]:7471"),
+                          counter=Metrics().peer_calls_refused, log=RefusalLog("test"))
+
+    def caller(ip: str, cert: bool = False) -> Any:
+        return SimpleNamespace(peer=lambda: f"ipv{6 if ':' in ip else 4}:{f'[{ip}]' if ':' in ip else ip}:4000",
+                               auth_context=lambda: {"x509_pem_cert": [b"pem"]} if cert else {})
+
+    held = [guard.enter(caller("10.0.0.1"), False) for _ in range(2)]
+    assert "max_peer_calls_per_source" in str(guard.enter(caller("10.0.0.1"), False))
+    held += [guard.enter(caller("10.0.0.2"), False) for _ in range(2)]
+    assert "max_unauthenticated_streams" in str(guard.enter(caller("10.0.0.3"), False))
+    # Past the total: a configured peer's address, a source a peer handshook from and a caller with a
+    # verified certificate still get in (up to twice the total); nobody after that.
+    guard.vouch("10.0.0.4")
+    for ip, cert in (("10.0.0.9", False), ("fd00::9", False), ("10.0.0.4", False), ("10.0.0.5", True)):
+        assert not isinstance(guard.enter(caller(ip, cert), False), str), ip
+    assert "max_unauthenticated_streams" in str(guard.enter(caller("10.0.0.4"), False))
+    assert guard.strangers == 8
+    for call in held:
+        guard.leave(call)  # authenticated or ended: counted no more
+    assert guard.strangers == 4
+    # One source per IPv4 address, per IPv6 /64 (a v4-mapped address is its IPv4 one).
+    assert call_source("ipv6:[::ffff:10.0.0.1]:5") == call_source("ipv4:10.0.0.1:6") == "10.0.0.1"
+    assert call_source("ipv6:[2001:db8::1]:5") == call_source("ipv6:[2001:db8::ffff:1]:7") == "2001:db8::/64"
+    assert call_source("unix:/run/x.sock") == "unix"
