@@ -6,9 +6,16 @@ and transport errors.
   port is probed with a TCP connect. A peer whose host still accepts it (its process holds the
   listening socket, and the path works: a SIGSTOPped or stalled daemon) is slow, not dead, and is
   lost only after `slow_peer_limit_s` of silence (at least SLOW_FACTOR times the limit): its rooms
-  fail at their own deadlines meanwhile, so a stall that passes costs no room that could wait. A refused connect (the process is gone) or one
-  that fails or times out (a cut path) leaves the loss at the limit, as before. A dead process
-  usually breaks the stream first anyway.
+  fail at their own deadlines meanwhile, so a stall that passes costs no room that could wait. A
+  refused connect (the process is gone) or one that fails or gets no answer (a cut path) leaves the
+  loss at the limit, as before. A dead process usually breaks the stream first anyway.
+  The probe (Knock) is a non-blocking connect whose answer is read from the kernel at each liveness
+  pass, not from a task of the loop: on a loaded machine this daemon's passes and tasks run late,
+  and the probe used to be judged by when the loop got round to it. A pass that ran late could find
+  the peer past the limit with no probe yet, start one and lose the peer in the same breath, as
+  "no word for 3.0 s" with the peer's port accepting all along; so could a probe task that a busy
+  loop had not run by its timeout. Now only an answer, or a connect still unanswered a pass after it
+  began, loses the peer.
 - **Pauses of this daemon.** After SIGSTOP, or a stalled event loop, the monotonic clock has run on
   while nothing could be heard: a daemon resumed after 20 s declared healthy peers dead by that
   clock. A liveness pass that runs PAUSE_S later than due gives every peer a fresh window
@@ -24,15 +31,18 @@ and transport errors.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import os
+import select
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from kvxferd.config import Config
+from kvxferd.config import Config, split_hostport
 from kvxferd.metrics import Metrics
 from kvxferd.peer_link import CONTROL_TIMEOUT_S, PeerLink
-from kvxferd.peer_wire import split_hostport
 from kvxferd.ports import Link
 from kvxferd.transport import Transport
 from kvxferd.workers import WorkerPool
@@ -46,6 +56,65 @@ PAUSE_S = 1.0
 # Rebuilding a broken pair's connection: first retry, longest wait between retries.
 REBUILD_MIN_S = 0.1
 REBUILD_MAX_S = 2.0
+
+
+class Knock:
+    """A TCP connect to a peer's port, started without blocking; its answer is read from the kernel
+    when asked, so it does not depend on when this daemon's loop gets round to it."""
+
+    def __init__(self, started: float) -> None:
+        self.started = started
+        self.answer = ""  # "" while there is none yet
+        self._sock: socket.socket | None = None
+        self._closed = False
+
+    def connect(self, family: int, addr: tuple[Any, ...]) -> None:
+        if self.answer or self._closed:  # (a name resolved after the probe was given up)
+            return
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError as exc:
+            self.answer = f"is out of reach: {exc}"
+            return
+        sock.setblocking(False)
+        err = sock.connect_ex(addr)
+        if err == errno.EINPROGRESS:
+            self._sock = sock
+            return
+        sock.close()
+        self.answer = _connect_answer(err)
+
+    def read(self, now: float, timeout: float) -> str:
+        """Its answer now, or "" while one may still come: a connect the kernel has completed (or
+        refused) by now, however late this is asked; none `timeout` after the start is an answer too."""
+        if not self.answer and self._sock is not None:
+            poll = select.poll()
+            poll.register(self._sock, select.POLLOUT)
+            if poll.poll(0):
+                self.answer = _connect_answer(self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR))
+        if not self.answer and now - self.started >= timeout:
+            self.answer = f"is out of reach: no answer to a connect within {now - self.started:.1f} s"
+        if self.answer:
+            self.close()
+        return self.answer
+
+    def fail(self, why: str) -> None:
+        self.answer = self.answer or f"is out of reach: {why}"
+        self.close()
+
+    def close(self) -> None:
+        self._closed = True
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+def _connect_answer(err: int) -> str:
+    if err == 0:
+        return "accepts"
+    if err == errno.ECONNREFUSED:
+        return "refuses connections"
+    return f"is out of reach: {os.strerror(err)}"
 
 
 class PairHealth:
@@ -62,17 +131,23 @@ class PairHealth:
         self._slow_limit = config.slow_peer_limit_s
         self._tick = config.heartbeat_interval_s / 4
         self._last_pass = 0.0  # the first pass starts the count
+        self._knocks: dict[PeerLink, Knock] = {}  # each silent link's probe still waiting for its answer
 
     # ------------------------------------------------------------------ pauses
 
     def woke(self, now: float, links: list[PeerLink]) -> None:
         """Called at every liveness pass: after a pause, every link counts as heard just now."""
         gap, self._last_pass = now - self._last_pass, now
+        for h in [h for h in self._knocks if h not in links]:  # (lost meanwhile: nobody asks any more)
+            self._knocks.pop(h).close()
         if gap < self._tick + PAUSE_S or gap == now or not links:
             return
         for h in links:
             h.last_rx = max(h.last_rx, now)
             h.probe = None
+            knock = self._knocks.pop(h, None)
+            if knock is not None:
+                knock.close()
         logger.warning("this daemon did not run for %.1f s (paused, or its event loop stalled): its %d peer(s) get "
                        "a fresh heartbeat window", gap, len(links))
 
@@ -88,14 +163,17 @@ class PairHealth:
         if h.session is None or h.is_self or quiet < limit / 2:
             return why
         p = h.probe
-        if p is None or p[0] < h.last_rx:  # one probe per silence
-            h.probe = (now, "running")
-            self._spawn(self._probe(h, now, min(limit / 2, CONTROL_TIMEOUT_S)), f"probe of {h.address}")
-            p = h.probe
+        if p is None or p[0] < h.last_rx or (p[1] == "running" and h not in self._knocks):  # one per silence
+            self._knock(h, now)
+        p = self._read(h, now, min(limit / 2, CONTROL_TIMEOUT_S))
         if not why:
             return ""
-        # Only a port that answered keeps it: a probe still running at the limit (a path that drops
-        # packets) leaves the loss where it always was.
+        if p[1] == "running" and now - p[0] < self._tick / 2:
+            # Started by this very pass (the passes before it ran late, or the peer spoke since the
+            # last probe): it has not had a moment to be answered yet; the next pass reads it.
+            return ""
+        # Only a port that answered keeps it: a connect still unanswered a pass after it began (a path
+        # that drops packets; a stopped daemon's kernel answers at once) leaves the loss where it was.
         slow_limit = max(SLOW_FACTOR * limit, self._slow_limit)
         if p[1] == "accepts" and quiet < slow_limit:
             if not h.slow_since:
@@ -105,20 +183,48 @@ class PairHealth:
             return ""
         if p[1] == "accepts":
             return f"{why} (its port accepts connections, but the daemon does not speak)"
-        return f"{why} (its port {p[1]})" if p[1] != "running" else why
+        if p[1] == "running":
+            return f"{why} (a connect to its port is unanswered after {now - p[0]:.1f} s)"
+        return f"{why} (its port {p[1]})"
 
-    async def _probe(self, h: PeerLink, started: float, timeout: float) -> None:
+    def _knock(self, h: PeerLink, now: float) -> None:
+        old = self._knocks.pop(h, None)
+        if old is not None:
+            old.close()
+        knock = self._knocks[h] = Knock(now)
+        h.probe = (now, "running")
         try:
-            _, writer = await asyncio.wait_for(asyncio.open_connection(*split_hostport(h.address)), timeout)
-        except ConnectionRefusedError:
-            result = "refuses connections"
-        except (OSError, ValueError, asyncio.TimeoutError) as exc:
-            result = f"is out of reach: {str(exc) or type(exc).__name__}"
+            host, port = split_hostport(h.address)
+            family, _, _, _, addr = socket.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST | socket.AI_NUMERICSERV)[0]
+        except ValueError as exc:
+            knock.fail(str(exc))
+        except socket.gaierror:  # a name: resolved off the loop, as a connect to it would be
+            self._spawn(self._resolve(knock, host, port), f"probe of {h.address}")
         else:
-            writer.close()
-            result = "accepts"
-        if h.probe is not None and h.probe[0] == started:
-            h.probe = (started, result)
+            knock.connect(family, addr)
+
+    @staticmethod
+    async def _resolve(knock: Knock, host: str, port: int) -> None:
+        try:
+            family, _, _, _, addr = (await asyncio.get_running_loop().getaddrinfo(
+                host, port, type=socket.SOCK_STREAM))[0]
+        except OSError as exc:
+            knock.fail(str(exc) or type(exc).__name__)
+        else:
+            knock.connect(family, addr)
+
+    def _read(self, h: PeerLink, now: float, timeout: float) -> tuple[float, str]:
+        """The link's probe, with the kernel's answer to its connect where there is one by now."""
+        p = h.probe
+        knock = self._knocks.get(h)
+        assert p is not None
+        if knock is not None and knock.started == p[0] and p[1] == "running":
+            answer = knock.read(now, timeout)
+            if answer:
+                del self._knocks[h]
+                p = h.probe = (p[0], answer)
+        return p
 
     # ------------------------------------------------------------------ transport errors
 

@@ -16,6 +16,25 @@ import pytest
 from tests.conftest import DaemonProc
 from tests.faults.harness import Fleet, launch_pair
 
+# The shared pair's daemons while it is up: a failed test's report ends with the tail of their logs,
+# which a CI failure would otherwise take away with the temp dir (a flaky pause test's did).
+_LIVE: list[DaemonProc] = []
+LOG_TAIL = 80
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    rep = outcome.get_result()  # type: ignore[attr-defined]
+    if not rep.failed:
+        return
+    for d in _LIVE:
+        try:
+            lines = d.log.read_text(errors="replace").splitlines()[-LOG_TAIL:]
+        except OSError as exc:
+            lines = [f"(log unreadable: {exc})"]
+        rep.sections.append((f"{d.name} daemon log, last {LOG_TAIL} lines", "\n".join(lines)))
+
 
 @pytest.fixture(scope="module")
 def pair() -> Iterator[tuple[DaemonProc, DaemonProc]]:
@@ -24,8 +43,11 @@ def pair() -> Iterator[tuple[DaemonProc, DaemonProc]]:
     workdir = Path(tempfile.mkdtemp(prefix="kvxf-"))
     started: list[DaemonProc] = []
     try:
-        yield launch_pair(workdir, started, "--set", "fault_injection=true")
+        launched = launch_pair(workdir, started, "--set", "fault_injection=true")
+        _LIVE[:] = started
+        yield launched
     finally:
+        _LIVE.clear()
         for d in started:
             if d.proc.poll() is None:
                 d.proc.send_signal(signal.SIGTERM)
