@@ -14,6 +14,7 @@ import functools
 import logging
 import os
 import struct
+import sys
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -129,6 +130,14 @@ class NixlTransport:
             self._agent.create_backend("UCX", {"num_workers": str(num_workers)})
         except Exception as exc:
             raise TransportError(f"cannot create the UCX backend of NIXL agent {name!r}: {exc}") from exc
+        # The data path calls NIXL's bindings under the Python API (same calls, same order): a WRITE
+        # is five NIXL calls, and each wrapper's argument checks and handle object ran under the GIL
+        # that every transfer thread and the event loop share, per WRITE.
+        self._core = self._agent.agent
+        self._bind = sys.modules[type(self._core).__module__]
+        self._mem_kinds = dict(self._agent.nixl_mems)
+        self._write_op = self._agent.nixl_ops["WRITE"]
+        self._done, self._in_prog = self._bind.NIXL_SUCCESS, self._bind.NIXL_IN_PROG
         self._ctl = threading.Lock()
         self._regions: dict[int, tuple[Any, int, str, int]] = {}  # addr -> (reg dlist, length, mem, device)
         self._remotes: dict[str, bytes] = {}  # name -> metadata as loaded
@@ -256,11 +265,11 @@ class NixlTransport:
         nbytes = sum(n for _, _, n in descs)
         if self._faults is not None and self._faults.should_fail(remote, pairs, notif):
             return XferHandle(remote, nbytes, state=XferState.ERROR, error="injected fault")
-        agent = self._agent
+        core, dlist, kinds = self._core, self._bind.nixlXferDList, self._mem_kinds
         try:
-            local = agent.get_xfer_descs([(a, n, local_device) for a, _, n in descs], local_mem)
-            far = agent.get_xfer_descs([(a, n, remote_device) for _, a, n in descs], remote_mem)
-            native = agent.initialize_xfer("WRITE", local, far, remote, notif)
+            local = dlist(kinds[local_mem], [(a, n, local_device) for a, _, n in descs])
+            far = dlist(kinds[remote_mem], [(a, n, remote_device) for _, a, n in descs])
+            native = core.createXferReq(self._write_op, local, far, remote, notif, [])
         except Exception as exc:
             raise TransportError(
                 f"preparing a WRITE of {nbytes} bytes ({len(descs)} descriptors, {local_mem}->{remote_mem}) to "
@@ -268,29 +277,28 @@ class NixlTransport:
                 f"registered memory)"
             ) from exc
         try:
-            status = agent.transfer(native)
+            status = core.postXferReq(native, b"")
         except Exception as exc:
             self._drop(native)
             raise TransportError(f"posting a WRITE to {remote} failed: {type(exc).__name__}: {exc}") from exc
-        if status == "ERR":
+        if status != self._done and status != self._in_prog:
             self._drop(native)
-            raise TransportError(f"posting a WRITE to {remote} failed: NIXL returned ERR")
-        state = XferState.DONE if status == "DONE" else XferState.PENDING
-        return XferHandle(remote, nbytes, native, state)
+            raise TransportError(f"posting a WRITE to {remote} failed: NIXL returned {status}")
+        return XferHandle(remote, nbytes, native, XferState.DONE if status == self._done else XferState.PENDING)
 
     def check(self, handle: object) -> XferState:
         h = as_handle(handle)
         if h.state is not XferState.PENDING or h.released:
             return h.state
         try:
-            status = self._agent.check_xfer_state(h._native)
+            status = self._core.getXferStatus(h._native)
         except Exception as exc:
             # NIXL raises (rather than returning ERR) when the peer disconnected or was removed.
             h.state, h.error = XferState.ERROR, f"{type(exc).__name__}: {exc}"
             return h.state
-        if status == "DONE":
+        if status == self._done:
             h.state = XferState.DONE
-        elif status != "PROC":
+        elif status != self._in_prog:
             h.state, h.error = XferState.ERROR, f"NIXL reported {status}"
         return h.state
 
@@ -306,7 +314,7 @@ class NixlTransport:
             return
         native, h._native = h._native, None
         try:
-            native.release()
+            self._core.releaseXferReq(native)
         except Exception as exc:
             raise TransportError(f"releasing a WRITE to {h.remote} failed: {exc}") from exc
 
@@ -320,9 +328,8 @@ class NixlTransport:
             raise TransportError(f"reading NIXL notifications failed: {exc}") from exc
         return [(_as_str(src), bytes(msg)) for src, msgs in got.items() for msg in msgs]
 
-    @staticmethod
-    def _drop(native: Any) -> None:
+    def _drop(self, native: int) -> None:
         try:
-            native.release()
+            self._core.releaseXferReq(native)
         except Exception:
             logger.debug("releasing a failed WRITE handle failed", exc_info=True)

@@ -132,3 +132,42 @@ async def test_jobs_of_one_room_queued_together_share_one_write() -> None:
         for g in tr.gates.values():
             g.set()
         pool.stop()
+
+
+@pytest.mark.asyncio
+async def test_while_every_thread_is_busy_a_job_follows_its_room_and_shares_its_write() -> None:
+    """An idle thread takes a job whatever its room (a room's WRITEs run in parallel); once every
+    thread is busy, a job queues behind the last job of its room, where it can share a WRITE
+    (spread by load alone, d and f of room r1 queued on different threads and went as two)."""
+    loop = asyncio.get_running_loop()
+    tr = GatedTransport()
+    pool = WorkerPool(tr, loop, 3, join_notifs=b"|".join)  # type: ignore[arg-type]
+    pool.start()
+    done: dict[bytes, XferState] = {}
+
+    def on_done(job: TransferJob, state: XferState, error: str) -> None:
+        done[job.notif] = state
+
+    def job(notif: bytes, key: str) -> TransferJob:
+        return TransferJob("peer-1", [(1, 2, 3)], notif, on_done, merge_key=key, nbytes=3)
+
+    try:
+        for gate in (b"a", b"a2", b"c", b"d|f", b"e"):
+            tr.gates[gate] = threading.Event()
+        for j in (job(b"a", "r1"), job(b"a2", "r1"), job(b"c", "r3")):
+            pool.submit(j)
+            assert await loop.run_in_executor(None, tr.entered.acquire, True, 10)  # inside its post
+        for j in (job(b"d", "r1"), job(b"e", "r2"), job(b"f", "r1")):
+            pool.submit(j)
+        for gate in tr.gates.values():
+            gate.set()
+        while len(done) < 6:
+            await asyncio.sleep(0.005)
+        assert len({tr.posted_by[n] for n in (b"a", b"a2", b"c")}) == 3
+        assert tr.posted_by[b"d|f"] == tr.posted_by[b"a2"]
+        assert set(tr.posted_by) == {b"a", b"a2", b"c", b"d|f", b"e"}
+        assert set(done.values()) == {XferState.DONE} and pool.in_flight == 0
+    finally:
+        for g in tr.gates.values():
+            g.set()
+        pool.stop()
