@@ -138,6 +138,13 @@ class NixlTransport:
         self._mem_kinds = dict(self._agent.nixl_mems)
         self._write_op = self._agent.nixl_ops["WRITE"]
         self._done, self._in_prog = self._bind.NIXL_SUCCESS, self._bind.NIXL_IN_PROG
+        # NIXL's getNotifs takes the agent lock exclusively, so it waits for every post in flight (a
+        # post holds it shared while UCX copies over CMA) and the calls behind it wait too; of the
+        # data path's calls only releaseXferReq waits there holding the GIL, which stalled every
+        # Python thread of the daemon (measured: a release took up to 5.4 ms while a thread polled
+        # notifications next to two posting threads, 40 us without). Releases and polls take this
+        # lock first, so a release that would queue behind a poll waits here, GIL released.
+        self._notif_gate = threading.Lock()
         self._ctl = threading.Lock()
         self._regions: dict[int, tuple[Any, int, str, int]] = {}  # addr -> (reg dlist, length, mem, device)
         self._remotes: dict[str, bytes] = {}  # name -> metadata as loaded
@@ -314,7 +321,8 @@ class NixlTransport:
             return
         native, h._native = h._native, None
         try:
-            self._core.releaseXferReq(native)
+            with self._notif_gate:
+                self._core.releaseXferReq(native)
         except Exception as exc:
             raise TransportError(f"releasing a WRITE to {h.remote} failed: {exc}") from exc
 
@@ -323,13 +331,15 @@ class NixlTransport:
         if self._closed:
             return []
         try:
-            got = self._agent.get_new_notifs()
+            with self._notif_gate:
+                got = self._agent.get_new_notifs()
         except Exception as exc:
             raise TransportError(f"reading NIXL notifications failed: {exc}") from exc
         return [(_as_str(src), bytes(msg)) for src, msgs in got.items() for msg in msgs]
 
     def _drop(self, native: int) -> None:
         try:
-            self._core.releaseXferReq(native)
+            with self._notif_gate:
+                self._core.releaseXferReq(native)
         except Exception:
             logger.debug("releasing a failed WRITE handle failed", exc_info=True)

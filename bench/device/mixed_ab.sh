@@ -4,6 +4,7 @@
 # bench/device/gpu_tuned.sh of tree B at the default worker count (8 on 16 cores) for the headline
 # ratios. The trees are `git archive REV | tar -x -C .whl/snap-NAME` (carried under .whl/).
 # Run from the repo root there:  A=mixbase B=mixnew ROUNDS=2 bash bench/device/mixed_ab.sh
+# (TREES="t1 t2 t3" interleaves more trees; B is the one gpu_tuned.sh measures).
 # Writes $OUT/ab.log (one line per point), the gpu_tuned.sh files of tree B, and prints a summary.
 set -uo pipefail
 # shellcheck source=bench/device/_env.sh
@@ -13,7 +14,7 @@ PIN=(taskset -c 0-15)
 nproc; "${PIN[@]}" nproc
 rc=0
 for r in $(seq 1 "$ROUNDS"); do
-  for v in "$A" "$B"; do
+  for v in ${TREES:-$A $B}; do
     (
       cd ".whl/snap-$v" || exit 1
       export PYTHONPATH=$SITE:.:clients/python KVXFERD_WORKERS=$WORKERS PAIRS=11,42 GB REPS=1
