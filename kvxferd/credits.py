@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from kvxferd.domain import RoomKey
 from kvxferd.engines import Engine
+from kvxferd.local_ipc import ring_for, views
 from kvxferd.memory import RingAllocator
 from kvxferd.metrics import Metrics
 from kvxferd.ports import CreditSpec, Link
@@ -117,7 +118,8 @@ class CreditLedger:
         length = alloc.slot_length(off) or size
         g = Grant(self._new_id(), peer, peer.instance_id, eng, off, length)
         self.grants[g.id] = g
-        peer.send_grant([CreditSpec(g.id, eng.id, g.address, length, eng.ring.mem, eng.ring.device)])
+        local = ring_for(peer.daemon_id, peer.instance_id, eng.ring.mem, eng.ring.base_addr, eng.ring.size)
+        peer.send_grant([CreditSpec(g.id, eng.id, g.address, length, eng.ring.mem, eng.ring.device, local)])
         logger.debug("credit %d: %d B of ring %s granted to %s", g.id, length, eng.id, peer.daemon_id)
         self._metrics.credits.labels(event="granted").inc()
         return True
@@ -420,6 +422,7 @@ class CreditWindow:
             return
         if h.revoked or (h.returning and not h.ranges):
             del self.held[h.spec.id]
+            views.forget(h.spec)  # no copy into it in flight: its ring's IPC mapping may close
             for r in list(h.ranges.values()):
                 rs = self._rooms.get(r.room)
                 if rs is not None and r in rs:
@@ -446,6 +449,7 @@ class CreditWindow:
             h.revoked = True
             if not h.in_flight:
                 del self.held[h.spec.id]
+                views.forget(h.spec)
         self._rooms.clear()
         self._asked.clear()
         waiters = [w for q in self._waiters.values() for w in q]

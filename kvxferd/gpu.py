@@ -201,6 +201,12 @@ class PeerViews:
             except Exception as exc:  # the ring is going anyway: say so, do not fail its release
                 logger.warning("unmapping a peer view of the GPU ring at 0x%x failed: %s", addr, exc)
 
+    def handle_of(self, addr: int) -> Any:
+        """The engine's IPC handle of the imported ring starting at `addr` (None: no such ring)."""
+        with self._lock:
+            got = self._rings.get(addr)
+        return None if got is None else got[1]
+
     def translate(self, addr: int, length: int, device: int) -> int:
         """[addr, addr + length) as `device`'s context sees it: through its mapping of the imported
         ring holding the range when that ring is on another GPU, else `addr` itself."""

@@ -7,14 +7,16 @@ nothing).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Protocol
 
 from kvxfer_client._pb.kvxfer.v1 import peer_pb2
 from kvxferd.convert import layout, room_key, zero_copy_target
 from kvxferd.domain import FailureCode, RoomKey
 from kvxferd.errors import InvalidArgument, KvxferError
+from kvxferd.local_ipc import same_host, valid_local
 from kvxferd.peer_link import PeerLink
-from kvxferd.ports import BootstrapAnswer, BootstrapMsg, CreditSpec, Link
+from kvxferd.ports import BootstrapAnswer, BootstrapMsg, CreditSpec, Link, LocalRing
 
 _MEMS = ("DRAM", "VRAM")
 
@@ -50,6 +52,16 @@ def _failure_code(value: int) -> FailureCode:
         return FailureCode.UNSPECIFIED
 
 
+def _with_local(h: PeerLink, spec: CreditSpec, loc: peer_pb2.LocalRing | None) -> CreditSpec:
+    """A credit's CUDA IPC ring counts only from a peer that proved it is on this host, and only
+    when the window lies inside it; otherwise the credit is written over NIXL."""
+    if loc is None or not same_host(h.daemon_id, h.instance_id):
+        return spec
+    ring = LocalRing(bytes(loc.handle), loc.device_uuid, loc.size, loc.offset, loc.base)
+    with_ring = dataclasses.replace(spec, local=ring)
+    return with_ring if valid_local(with_ring) else spec
+
+
 def dispatch(inbox: PeerInbox, h: PeerLink, msg: peer_pb2.PeerMsg) -> None:
     """Hands one message of a peer's stream to the domain; answers that go back on the stream are queued on `h`."""
     kind = msg.WhichOneof("body")
@@ -74,7 +86,8 @@ def dispatch(inbox: PeerInbox, h: PeerLink, msg: peer_pb2.PeerMsg) -> None:
         for c in msg.grant.credits:
             if c.length <= 0 or len(c.ring) > 128 or (c.mem or "DRAM") not in _MEMS:
                 raise InvalidArgument(f"malformed credit {c.id}")
-            specs.append(CreditSpec(c.id, c.ring, c.address, c.length, c.mem or "DRAM", c.device))
+            specs.append(_with_local(h, CreditSpec(c.id, c.ring, c.address, c.length, c.mem or "DRAM", c.device),
+                                     c.local if c.HasField("local") else None))
         h.window.add(specs)
     elif kind == "credit_request":
         inbox.on_credit_request(h, msg.credit_request.ring, msg.credit_request.bytes)

@@ -376,7 +376,10 @@ class PeerLink:
 
     def send_grant(self, credits: Sequence[CreditSpec]) -> None:
         self._push(peer_pb2.PeerMsg(grant=peer_pb2.CreditGrant(credits=[
-            peer_pb2.Credit(id=c.id, ring=c.ring, address=c.address, length=c.length, mem=c.mem, device=c.device)
+            peer_pb2.Credit(id=c.id, ring=c.ring, address=c.address, length=c.length, mem=c.mem, device=c.device,
+                            local=None if c.local is None else peer_pb2.LocalRing(
+                                handle=c.local.handle, device_uuid=c.local.device_uuid, size=c.local.size,
+                                offset=c.local.offset, base=c.local.base))
             for c in credits
         ])))
 

@@ -21,6 +21,7 @@ from kvxferd.config import Config
 from kvxferd.convert import daemon_ref, daemon_ref_pb
 from kvxferd.errors import KvxferError
 from kvxferd.listeners import ListenerCaps, RefusalLog, listener_caps
+from kvxferd.local_ipc import same_host
 from kvxferd.peer_auth import PeerCreds, ids_from_auth_context
 from kvxferd.peer_link import CONTROL_TIMEOUT_S, Session, proof_of, proof_pb
 from kvxferd.peer_wire import WireStream, server_context
@@ -76,9 +77,13 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             daemon_ref(request.sender), request.agent_name, bytes(request.nixl_metadata), proof_of(request),
             creds_of(context))
         peer_calls.vouch()  # a peer proved itself from this source: the peer port keeps room for it
+        # The dialer names our instance in its tag when a challenge told it (secret modes), else "".
+        me, sender = self._m.ident, request.sender
+        same_host.check(request.host_tag, sender, me.instance_id if request.HasField("proof") else "",
+                        self._m.auth.mode != "insecure")
         return peer_pb2.HandshakeReply(
             sender=self._me(), agent_name=self._transport.name, nixl_metadata=metadata, version=__version__,
-            proof=proof_pb(proof),
+            proof=proof_pb(proof), host_tag=same_host.tag(me, sender.instance_id),
         )
 
     async def Session(self, request_iterator: AsyncIterator[peer_pb2.PeerBatch], context: Any) -> None:

@@ -25,6 +25,7 @@ from kvxferd.convert import daemon_ref, daemon_ref_pb
 from kvxferd.credits import CreditWindow
 from kvxferd.domain import DaemonRef
 from kvxferd.errors import InvalidArgument, KvxferError, PermissionDenied, Unavailable
+from kvxferd.local_ipc import same_host
 from kvxferd.metrics import Metrics
 from kvxferd.peer_auth import Binding, PeerAuth, PeerCreds, Proof
 from kvxferd.peer_dispatch import PeerInbox, dispatch
@@ -119,8 +120,7 @@ class PeerManager:
                 try:
                     await self.handshake(h)
                 except Exception:
-                    # Nobody we know answered there: keep no link (nor its channel) for it, so
-                    # addresses that never handshook do not pile up.
+                    # Nobody we know answered: keep no link (nor channel), so such addresses don't pile up.
                     if address not in self.config.peers:
                         self._drop_unused(h, fresh=True)
                     raise
@@ -147,7 +147,8 @@ class PeerManager:
             try:
                 reply = await h.stub.Handshake(
                     peer_pb2.HandshakeRequest(sender=self._me, agent_name=agent, nixl_metadata=metadata,
-                                              version=__version__, proof=proof_pb(sent)),
+                                              version=__version__, proof=proof_pb(sent),
+                                              host_tag=same_host.tag(self.ident, challenge.instance_id)),
                     timeout=CONTROL_TIMEOUT_S,
                 )
                 break
@@ -160,6 +161,7 @@ class PeerManager:
         # The server's certificate must name the daemon it claims to be (mTLS).
         self.auth.check_claim(await self.auth.server_ids(h.address, CONTROL_TIMEOUT_S), ref.daemon_id)
         binding = self.auth.verify_reply(ref, reply.agent_name, their_md, self.me, sent, key, proof_of(reply), challenge)
+        same_host.check(reply.host_tag, ref, self.ident.instance_id, self.auth.mode != "insecure")
         await self.adopt(h, ref, reply.agent_name, their_md)
         self._bind(ref.daemon_id, binding)
         h.md_epoch_sent = epoch
@@ -245,8 +247,7 @@ class PeerManager:
         self.limits.metadata(len(metadata))
         if not metadata or not agent:
             raise InvalidArgument("agent_name and nixl_metadata are required")
-        # This daemon may dial the address back: only HOST:PORT, nothing a resolver would have to
-        # guess at (no bare names, no schemes).
+        # We may dial it back: only HOST:PORT, nothing a resolver would guess at (no names, no schemes).
         if not _valid_hostport(ref.address):
             raise InvalidArgument(f"sender.address must be HOST:PORT, got {ref.address[:100]!r}")
         self.auth.check_claim(creds, ref.daemon_id)
@@ -310,8 +311,7 @@ class PeerManager:
             logger.info("control stream from %s: both dialed at once; the pair keeps ours", h.daemon_id)
             raise TieBreak()
         if verdict == "replace":
-            # It dials only when it has no stream with us: it lost the one we hold (and failed
-            # what ran on it), so we lose it too.
+            # It dials only when it has no stream with us: it lost ours (and what ran on it), so do we.
             self._lose_session(h, "it opened a new control stream; the old one is lost")
         session.hear()  # its Hello
         self._start_session(h, session)

@@ -16,6 +16,17 @@ from kvxferd.layout import KVLayout
 
 
 @dataclass(frozen=True)
+class LocalRing:
+    """A reader's GPU ring as another process of this host opens it (kvxferd.local_ipc)."""
+
+    handle: bytes  # the engine's CUDA IPC handle of its allocation
+    device_uuid: str
+    size: int  # ring bytes
+    offset: int  # where the ring starts in the allocation
+    base: int  # the ring's address in the granting daemon
+
+
+@dataclass(frozen=True)
 class CreditSpec:
     """A window of a reader ring granted to one prefill daemon (see credits.py)."""
 
@@ -25,6 +36,7 @@ class CreditSpec:
     length: int
     mem: str
     device: int
+    local: LocalRing | None = None  # same-host peers only: copy device to device, not over NIXL
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from kvxferd.notif import encode_notif, join_notifs
 from kvxferd.ports import Link
 from kvxferd.rooms import Dest, OutChunk, SendRoom
 from kvxferd.transport import XferState
-from kvxferd.workers import TransferJob, WorkerPool, transport_error
+from kvxferd.workers import TransferJob, WorkerPool, by_ipc, transport_error
 from kvxferd.write_plan import PagePlan, PlanError, plan_page_writes, plan_slot_writes
 
 logger = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ class Scheduler:
         jobs = []
         for w in writes:
             ranges = [r for _, r in w.parts]
-            jobs.append(TransferJob(
+            jobs.append(by_ipc(TransferJob(
                 remote="" if peer.is_self else peer.agent_name, pairs=w.pairs,
                 notif=join_notifs([encode_notif(room.key, spec, s.writer, s.reader, r.held.spec.id, r.offset,
                                                 token=room.notif_token)
@@ -183,7 +183,7 @@ class Scheduler:
                 on_done=self._on_done, local_mem=ring.mem, remote_mem=w.mem, local_device=ring.device,
                 remote_device=w.device, tag=(room, chunk, ranges), nbytes=w.nbytes,
                 credits=[r.held for r in ranges], merge_key=room.key,
-            ))
+            ), peer.daemon_id, peer.instance_id))
             for r in ranges:
                 window.write_started(r)
         self._submit(room, chunk, jobs)

@@ -26,6 +26,7 @@ from kvxferd.engines import Engine, Ring
 from kvxferd.gpu import gpu_data_path, gpu_links
 from kvxferd.lane import LANE_SUFFIX
 from kvxferd.limits import MAX_ID, StreamTicket, check_len
+from kvxferd.local_ipc import same_host
 from kvxferd.memory import POOL_SUFFIX
 from kvxferd.metrics import Metrics
 from kvxferd.node import Node
@@ -331,7 +332,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             peers=[
                 engine_pb2.PeerInfo(
                     daemon_id=p.daemon_id, address=p.address, state="up" if p.up and not p.broken else "down",
-                    rooms=self._node.rooms_with(p), path="local" if p.is_self else "nixl",
+                    rooms=self._node.rooms_with(p),
+                    path="local" if p.is_self else same_host.path(p.daemon_id, p.instance_id),
                 )
                 for p in st["peers"]  # type: ignore[attr-defined]
             ],

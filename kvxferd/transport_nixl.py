@@ -293,6 +293,15 @@ class NixlTransport:
             raise TransportError(f"posting a WRITE to {remote} failed: NIXL returned {status}")
         return XferHandle(remote, nbytes, native, XferState.DONE if status == self._done else XferState.PENDING)
 
+    def send_notif(self, remote: str, notif: bytes) -> None:
+        """`notif` to `remote` with no WRITE: after bytes copied by CUDA IPC (kvxferd.local_ipc),
+        so the peer's receive path is the one WRITEs take."""
+        self._check_open()
+        try:
+            self._core.genNotif(remote, notif)
+        except Exception as exc:
+            raise TransportError(f"sending a notification to {remote} failed: {type(exc).__name__}: {exc}") from exc
+
     def check(self, handle: object) -> XferState:
         h = as_handle(handle)
         if h.state is not XferState.PENDING or h.released:

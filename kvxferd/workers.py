@@ -41,9 +41,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from kvxferd import local_ipc
 from kvxferd.config import Config
 from kvxferd.gpu import device_copies
-from kvxferd.transport import Transport, XferState
+from kvxferd.transport import Transport, TransportError, XferState
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +126,19 @@ class TransferJob:
     # A same-node copy between GPU rings: the link it took (kvxferd.gpu.LINK_*), its metrics path.
     link: str = ""
     _worker: int = field(default=-1, repr=False)  # the thread it was handed to
+
+
+def by_ipc(job: TransferJob, peer_id: str, peer_instance: str) -> TransferJob:
+    """A job to a daemon on this host whose reader rings came with their CUDA IPC handles is
+    copied here device to device, then its notification goes alone (kvxferd.local_ipc); one
+    whose rings cannot be opened here stays a NIXL WRITE."""
+    if job.remote and job.credits and local_ipc.same_host(peer_id, peer_instance):
+        got = local_ipc.views.route(job.pairs, [c.spec for c in job.credits], job.local_mem, job.local_device)
+        if got is not None:
+            job.pairs, job.remote_device = got
+            job.link, job.merge_key = local_ipc.PATH_IPC, None
+            local_ipc.same_host.used(peer_id, peer_instance)
+    return job
 
 
 @dataclass(eq=False)
@@ -340,19 +354,27 @@ class WorkerPool:
         if not jobs:
             return None
         job = jobs[0]
-        if not job.remote:
-            # Same-node path: source and destination are both mapped here (never merged).
+        if not job.remote or job.link == local_ipc.PATH_IPC:
+            # Same-node path: source and destination are both mapped here (never merged). To a
+            # daemon on this host the notification follows the bytes, as NIXL's follows a WRITE.
             try:
                 if job.local_mem == "DRAM" and job.remote_mem == "DRAM":
                     for src, dst, length in job.pairs:
                         ctypes.memmove(dst, src, length)
                 else:
-                    job.link = device_copies(job.pairs, job.local_mem, job.local_device, job.remote_mem,
-                                             job.remote_device)
+                    link = device_copies(job.pairs, job.local_mem, job.local_device, job.remote_mem,
+                                         job.remote_device)
+                    job.link = job.link or link
             except Exception as exc:
                 self._report(job, XferState.ERROR, f"local copy failed: {exc}")
-            else:
-                self._report(job, XferState.DONE, "")
+                return None
+            if job.remote:
+                try:
+                    self._notify(job.remote, job.notif)
+                except Exception as exc:
+                    self._report(job, XferState.ERROR, f"{POST_FAILED}notification after a CUDA IPC copy: {exc}")
+                    return None
+            self._report(job, XferState.DONE, "")
             return None
         if len(jobs) == 1:
             pairs, notif = job.pairs, job.notif
@@ -371,6 +393,12 @@ class WorkerPool:
             self._report_all(jobs, XferState.ERROR, f"{POST_FAILED}{exc}")
             return None
         return _Posted(handle, jobs)
+
+    def _notify(self, remote: str, notif: bytes) -> None:
+        send = getattr(self._transport, "send_notif", None)
+        if send is None:
+            raise TransportError(f"{type(self._transport).__name__} sends no notification without a WRITE")
+        send(remote, notif)
 
     def _run(self, index: int) -> None:
         _name_os_thread()

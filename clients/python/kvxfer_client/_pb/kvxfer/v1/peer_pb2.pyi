@@ -34,32 +34,36 @@ class ChallengeReply(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("sender", "agent_name", "nixl_metadata", "version", "proof")
+    __slots__ = ("sender", "agent_name", "nixl_metadata", "version", "proof", "host_tag")
     SENDER_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     NIXL_METADATA_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PROOF_FIELD_NUMBER: _ClassVar[int]
+    HOST_TAG_FIELD_NUMBER: _ClassVar[int]
     sender: DaemonRef
     agent_name: str
     nixl_metadata: bytes
     version: str
     proof: PeerProof
-    def __init__(self, sender: _Optional[_Union[DaemonRef, _Mapping]] = ..., agent_name: _Optional[str] = ..., nixl_metadata: _Optional[bytes] = ..., version: _Optional[str] = ..., proof: _Optional[_Union[PeerProof, _Mapping]] = ...) -> None: ...
+    host_tag: bytes
+    def __init__(self, sender: _Optional[_Union[DaemonRef, _Mapping]] = ..., agent_name: _Optional[str] = ..., nixl_metadata: _Optional[bytes] = ..., version: _Optional[str] = ..., proof: _Optional[_Union[PeerProof, _Mapping]] = ..., host_tag: _Optional[bytes] = ...) -> None: ...
 
 class HandshakeReply(_message.Message):
-    __slots__ = ("sender", "agent_name", "nixl_metadata", "version", "proof")
+    __slots__ = ("sender", "agent_name", "nixl_metadata", "version", "proof", "host_tag")
     SENDER_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     NIXL_METADATA_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PROOF_FIELD_NUMBER: _ClassVar[int]
+    HOST_TAG_FIELD_NUMBER: _ClassVar[int]
     sender: DaemonRef
     agent_name: str
     nixl_metadata: bytes
     version: str
     proof: PeerProof
-    def __init__(self, sender: _Optional[_Union[DaemonRef, _Mapping]] = ..., agent_name: _Optional[str] = ..., nixl_metadata: _Optional[bytes] = ..., version: _Optional[str] = ..., proof: _Optional[_Union[PeerProof, _Mapping]] = ...) -> None: ...
+    host_tag: bytes
+    def __init__(self, sender: _Optional[_Union[DaemonRef, _Mapping]] = ..., agent_name: _Optional[str] = ..., nixl_metadata: _Optional[bytes] = ..., version: _Optional[str] = ..., proof: _Optional[_Union[PeerProof, _Mapping]] = ..., host_tag: _Optional[bytes] = ...) -> None: ...
 
 class PeerProof(_message.Message):
     __slots__ = ("nonce", "unix_ms", "mac", "peer_nonce")
@@ -186,20 +190,36 @@ class BootstrapReply(_message.Message):
     def __init__(self, room: _Optional[_Union[_common_pb2.RoomKey, _Mapping]] = ..., reader_rank: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., prefill_tp: _Optional[int] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., zero_copy: _Optional[bool] = ...) -> None: ...
 
 class Credit(_message.Message):
-    __slots__ = ("id", "ring", "address", "length", "mem", "device")
+    __slots__ = ("id", "ring", "address", "length", "mem", "device", "local")
     ID_FIELD_NUMBER: _ClassVar[int]
     RING_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     MEM_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_FIELD_NUMBER: _ClassVar[int]
     id: int
     ring: str
     address: int
     length: int
     mem: str
     device: int
-    def __init__(self, id: _Optional[int] = ..., ring: _Optional[str] = ..., address: _Optional[int] = ..., length: _Optional[int] = ..., mem: _Optional[str] = ..., device: _Optional[int] = ...) -> None: ...
+    local: LocalRing
+    def __init__(self, id: _Optional[int] = ..., ring: _Optional[str] = ..., address: _Optional[int] = ..., length: _Optional[int] = ..., mem: _Optional[str] = ..., device: _Optional[int] = ..., local: _Optional[_Union[LocalRing, _Mapping]] = ...) -> None: ...
+
+class LocalRing(_message.Message):
+    __slots__ = ("handle", "device_uuid", "size", "offset", "base")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    handle: bytes
+    device_uuid: str
+    size: int
+    offset: int
+    base: int
+    def __init__(self, handle: _Optional[bytes] = ..., device_uuid: _Optional[str] = ..., size: _Optional[int] = ..., offset: _Optional[int] = ..., base: _Optional[int] = ...) -> None: ...
 
 class CreditGrant(_message.Message):
     __slots__ = ("credits",)

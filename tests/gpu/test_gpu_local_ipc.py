@@ -1,0 +1,74 @@
+"""Two daemons on one host move VRAM by CUDA IPC (issue #38): the decode daemon passes its reader
+engines' ring handles with the credits, the prefill daemon copies device to device into them and
+notifies over NIXL (kvxferd/local_ipc.py). TP 1->1, 2->2, 4->2 byte for byte on one GPU and across
+two, with the device copy (one GPU) and cudaMemcpyPeer (two GPUs) of the same chunk size measured
+in the same run; every byte goes by path local-ipc, none over NIXL.
+
+Skipped without CUDA. On a GPU box: ``bench/device/gpu_local_ipc.sh``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from kvxferd.local_ipc import PATH_IPC
+from tests.conftest import DaemonProc
+from tests.gpu.conftest import daemon_pair, daemon_status, transfer_bytes, wait_log
+from tests.gpu.harness import Case, run_case
+from tests.gpu.test_gpu_e2e import check, row
+from tests.gpu.test_gpu_two_gpus import copy_gbps, copy_seconds
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (bench/device/gpu_local_ipc.sh)"),
+]
+
+TIMEOUT = 120.0
+PAIRS = [(1, 1), (2, 2), (4, 2)]
+
+
+@pytest.fixture(scope="module")
+def daemons(request: pytest.FixtureRequest) -> Iterator[tuple[DaemonProc, DaemonProc]]:
+    yield from daemon_pair(request)
+
+
+def run_ipc(case: Case, pre: DaemonProc, dec: DaemonProc, dst: str, record: Callable[..., None],
+            **extra: object) -> float:
+    """A case prefill on cuda:0 -> decode on `dst` through two daemons; returns the copy GB/s (the
+    prefill daemon's per-job time from post to notification, summed)."""
+    before, t_before = transfer_bytes(pre), copy_seconds(pre, "nixl")
+    res = run_case(case, pre.socket, dec.socket, pre.peer_address, "cuda:0", decode_device=dst, timeout=TIMEOUT)
+    after, t_after = transfer_bytes(pre), copy_seconds(pre, "nixl")
+    copy_s = t_after - t_before
+    gbps = case.decode_bytes() / copy_s / 1e9 if copy_s > 0 else 0.0
+    record(row(res, PATH_IPC, gpus=f"0->{dst[-1]}", daemons=2, copy_gb_per_s=round(gbps, 3), **extra))
+    check(res, pre, dec)
+    assert after.get(PATH_IPC, 0) - before.get(PATH_IPC, 0) == case.decode_bytes(), (before, after)
+    assert after.get("nixl", 0) == before.get("nixl", 0), (before, after)
+    return gbps
+
+
+@pytest.mark.timeout(600)
+def test_two_daemons_vram_by_cuda_ipc(daemons: tuple[DaemonProc, DaemonProc], record: Callable[..., None]) -> None:
+    pre, dec = daemons
+    targets = ["cuda:0"] + (["cuda:1"] if torch.cuda.device_count() > 1 else [])
+    for g, dst in enumerate(targets):
+        for i, (p, d) in enumerate(PAIRS):
+            run_ipc(Case(f"ipc{g}-tp{p}{d}", p, d, first_room=60_000 + 10_000 * g + 1000 * i), pre, dec, dst, record)
+        # Big chunks (64 MiB): the copy against a device copy / cudaMemcpyPeer of one chunk.
+        big = Case(f"ipc{g}-big", 1, 1, rooms=8, tokens_per_room=16384, chunk_tokens=4096, ring_bytes=256 << 20,
+                   first_room=65_000 + 10_000 * g)
+        chunk = big.decode_bytes() // big.rooms // len(big.chunks)
+        base = copy_gbps(chunk, "cuda:0", dst)
+        key = "device_copy_gb_per_s" if dst == "cuda:0" else "memcpy_peer_gb_per_s"
+        gbps = run_ipc(big, pre, dec, dst, record, chunk_bytes=chunk, **{key: round(base, 3)})
+        print(f"0->{dst}: copy {gbps:.1f} GB/s vs {key} {base:.1f} GB/s = {gbps / base:.2f}x")
+        record({"case": f"ipc{g}-ratio", "path": PATH_IPC, "copy_gb_per_s": round(gbps, 3), key: round(base, 3),
+                "ratio": round(gbps / base, 3)})
+    assert {p.path for p in daemon_status(pre).peers if p.daemon_id == dec.name} == {PATH_IPC}
+    assert wait_log(pre, "opened by CUDA IPC")
+    # The decode engines are gone: their rings' credits came back and the mappings closed.
+    assert wait_log(pre, "CUDA IPC mapping closed", timeout=30)
