@@ -19,7 +19,7 @@ for r in $(seq 1 "$ROUNDS"); do
       cd ".whl/snap-$v" || exit 1
       export PYTHONPATH=$SITE:.:clients/python KVXFERD_WORKERS=$WORKERS PAIRS=11,42 GB REPS=1
       timeout -s INT 120 "${PIN[@]}" python3 bench/device/tp_points.py "$CHUNK" 2>&1 | grep -E '^TP|Error' \
-        | sed "s/^/$v round $r: /" | tee -a "$OUT/ab.log"
+        | sed "s|^|$v round $r: |" | tee -a "$OUT/ab.log"
     ) || rc=1
   done
 done
