@@ -308,7 +308,7 @@ def test_stranger_calls_on_the_grpc_peer_port_are_capped_per_source_and_keep_no_
             assert all("max_peer_calls_per_source" in (c.details() or "") for c in cut(opened)), cut(opened)[0].details()
 
         def keep_crowding() -> None:
-            while not stop.wait(0.1):
+            while not stop.wait(0.25):  # (a new stranger stream every 0.25 s, to each daemon)
                 crowd()
 
         crowder = threading.Thread(target=keep_crowding, daemon=True)
