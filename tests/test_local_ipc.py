@@ -239,3 +239,44 @@ async def test_worker_copies_then_sends_the_notification_alone(proven: SameHost,
                               local_mem="VRAM", remote_mem="VRAM", credits=[held]), "peer", "inst")
     state, error = await run_job(NotifTransport(dst, with_notif=False), job2)
     assert state is XferState.ERROR and error.startswith(POST_FAILED) and "no notification" in error
+
+
+class FakeCudart:
+    """Answers the runtime calls device_copies makes; records each cudaMemcpyAsync."""
+
+    def __init__(self) -> None:
+        self.copies: list[tuple[int, int, int]] = []
+        self.syncs = 0
+
+    def cudaGetDevice(self, ref: Any) -> int:
+        return 0
+
+    def cudaSetDevice(self, dev: int) -> int:
+        return 0
+
+    def cudaStreamCreateWithFlags(self, ref: Any, flags: int) -> int:
+        return 0
+
+    def cudaMemcpyAsync(self, dst: ctypes.c_void_p, src: ctypes.c_void_p, n: ctypes.c_size_t, kind: int,
+                        stream: Any) -> int:
+        self.copies.append((int(src.value or 0), int(dst.value or 0), int(n.value)))
+        return 0
+
+    def cudaStreamSynchronize(self, stream: Any) -> int:
+        self.syncs += 1
+        return 0
+
+
+def test_device_copies_merge_neighbouring_descriptors(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvxferd import cuda_ipc
+
+    rt = FakeCudart()
+    monkeypatch.setattr(cuda_ipc, "_load", lambda: SimpleNamespace(cudart=rt, check=lambda rc, what: None))
+    monkeypatch.setattr(gpu, "_streams", threading.local())  # the fake stream stays out of later tests
+    # 32 pieces of 2 MiB, neighbours on both sides (a TP 1->1 chunk: 16 layers x K/V), then one apart.
+    mib2 = 2 << 20
+    pairs = [(0x1000_0000 + i * mib2, 0x8000_0000 + i * mib2, mib2) for i in range(32)]
+    pairs.append((0x2000_0000, 0x9000_0000, 4096))
+    assert gpu.device_copies(pairs, "VRAM", 0, "VRAM", 0) == gpu.LINK_SAME_GPU
+    assert rt.copies == [(0x1000_0000, 0x8000_0000, 32 * mib2), (0x2000_0000, 0x9000_0000, 4096)]
+    assert rt.syncs == 1
