@@ -21,7 +21,7 @@ from kvxferd.domain import EngineSpec
 from kvxferd.engines import Ring
 from kvxferd.errors import FailedPrecondition, InvalidArgument
 from kvxferd.memory import RingAllocator
-from kvxferd.transport import Transport, coalesce
+from kvxferd.transport import Transport
 
 if TYPE_CHECKING:
     from kvxferd.cuda_ipc import _CudaLibs
@@ -276,11 +276,6 @@ def device_copies(pairs: Sequence[tuple[int, int, int]], src_mem: str = "VRAM", 
     from kvxferd import cuda_ipc
 
     link = peer_access.link(src_mem, src_device, dst_mem, dst_device)
-    # A staged chunk's plan has a descriptor per layer and K/V plane (32 for 16 layers) that are
-    # mostly neighbours on both sides; each cudaMemcpyAsync through ctypes costs microseconds of
-    # launch under the GIL while a 2 MiB piece copies in about one at ~1,900 GB/s: merged first,
-    # as the NIXL path does (two daemons by CUDA IPC measured 147 GB/s per job unmerged, 64 MiB chunks).
-    pairs = coalesce(pairs)
     if link == LINK_PEER:
         pairs = [(src, peer_views.translate(dst, n, src_device), n) for src, dst, n in pairs]
     libs = cuda_ipc._load()
