@@ -8,6 +8,7 @@ the ring's other rooms until the deadline; a decode room answers only the engine
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 from collections.abc import AsyncIterator
 from typing import Any
@@ -79,13 +80,17 @@ def engine(n: Node, role: Role, group: str, ring: int = 1 << 20, tp: int = 1, ra
 
 
 def boot(key: RoomKey, decode_tp: int = 1, reader: int = 0, num_tokens: int = 16, layout: KVLayout = LAY) -> BootstrapMsg:
-    return BootstrapMsg(key, "p", reader, decode_tp, layout, num_tokens, 0, "ring")
+    return BootstrapMsg(key, "p", reader, decode_tp, layout, num_tokens, 0, "ring", notif_token=bytes(16))
 
 
 async def test_a_refused_bootstrap_leaves_no_room_and_supersedes_nothing(node: Node) -> None:
     pre = engine(node, Role.PREFILL, "p")
     peer, other = Link("dec"), Link("dec2")
     peer_rooms = node.engines.limits.peer_rooms
+    # A Bootstrap without the room's notification token (an older decode daemon) is refused, no room.
+    ans = node.on_bootstrap(peer, dataclasses.replace(boot(RoomKey(1)), notif_token=b""))
+    assert ans.code != 0 and "notif_token" in ans.message, ans
+    assert not node.send.rooms
     # New rooms: refused for a reader the heads cannot be split for, or another model's layout.
     for rid in range(1, 6):
         ans = node.on_bootstrap(peer, boot(RoomKey(rid), decode_tp=3))
