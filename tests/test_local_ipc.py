@@ -239,4 +239,3 @@ async def test_worker_copies_then_sends_the_notification_alone(proven: SameHost,
                               local_mem="VRAM", remote_mem="VRAM", credits=[held]), "peer", "inst")
     state, error = await run_job(NotifTransport(dst, with_notif=False), job2)
     assert state is XferState.ERROR and error.startswith(POST_FAILED) and "no notification" in error
-
