@@ -8,6 +8,10 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 PIP_INSTALL := $(PIP) install --no-compile
 SGLANG_VERSION := 0.5.23
+# The suite on two xdist workers: much of it waits (daemons, deadlines, heartbeats), so a second
+# worker uses the time; tests of real engines stay on one worker (tests/conftest.py). PYTEST_WORKERS=
+# runs it serially.
+PYTEST_WORKERS ?= -n 2 --dist loadscope
 
 .PHONY: install install-test run test lint proto clean
 
@@ -43,7 +47,7 @@ lint: install-test
 	$(VENV)/bin/lint-imports
 
 test: install-test lint
-	KVX_VALIDATE_DEPLOY=1 TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider --durations=30 $(PYTEST_ARGS)
+	KVX_VALIDATE_DEPLOY=1 TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider --durations=30 $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 proto: install-test
 	$(PY) scripts/gen_proto.py

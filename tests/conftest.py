@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import shutil
@@ -19,6 +20,25 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# Tests that run real vLLM or sglang engines: each start takes both cores for tens of seconds, so
+# under `make test`'s two xdist workers they run one after another on one worker while the other
+# works through the rest of the suite.
+_ENGINE_TESTS = ("tests/engines/", "tests/bench/test_bench_engines.py")
+
+if importlib.util.find_spec("xdist") is not None:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class _EnginesTogether(LoadScopeScheduling):
+        """--dist loadscope as xdist does it (a module's tests on one worker, in order: they share
+        module fixtures, and some need the ones before them), except that all real-engine tests are
+        one unit. (xdist's own xdist_group marks do nothing under pytest 9.2: it renames a node by
+        a field pytest no longer reads.)"""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return "engines" if nodeid.startswith(_ENGINE_TESTS) else nodeid.split("::", 1)[0]
+
+    def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> LoadScopeScheduling | None:
+        return _EnginesTogether(config, log) if config.getvalue("dist") == "loadscope" else None
 
 
 @pytest.fixture
