@@ -37,9 +37,9 @@ sys.path.insert(0, str(ROOT))
 
 from kvxferd import __version__  # noqa: E402
 from kvxferd.config import load_config  # noqa: E402
-from kvxferd.metrics import Metrics  # noqa: E402
-from kvxferd.registry import DaemonRecord, FleetCache, GroupLocation, GroupRecord  # noqa: E402
-from kvxferd.registry_etcd import EtcdRegistry  # noqa: E402
+from kvxferd.fleet.etcd import EtcdRegistry  # noqa: E402
+from kvxferd.fleet.registry import DaemonRecord, FleetCache, GroupLocation, GroupRecord  # noqa: E402
+from kvxferd.ops.metrics import Metrics  # noqa: E402
 
 COUNTS = ("sessions", "lease_grants", "leases_kept", "puts", "full_reads", "resumes", "gone_withdrawn")
 
@@ -260,8 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         res = run_fleet(a, Path(tmp))
     res["lookup_1000x8"] = lookup_times()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "kvxferd/registry.py", "kvxferd/registry_etcd.py",
-                            "kvxferd/registry_wire.py", "bench/fleet_registry.py"],
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "kvxferd/fleet/registry.py", "kvxferd/fleet/etcd.py",
+                            "kvxferd/fleet/etcd_wire.py", "bench/fleet_registry.py"],
                            capture_output=True, text=True, cwd=ROOT).stdout
     res = {"what": "fleet registry through an etcd outage (bench/fleet_registry.py)", "commit": commit.strip(),
            "registry_code_dirty": bool(dirty.strip()), "machine": f"{platform.node()} {os.cpu_count()} cores",

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvxferd.app import Ready, serve  # noqa: E402
 from kvxferd.config import load_config  # noqa: E402
-from kvxferd.peers import PeerManager  # noqa: E402
+from kvxferd.peer.manager import PeerManager  # noqa: E402
 
 
 def rss_mb() -> float:

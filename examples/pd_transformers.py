@@ -8,7 +8,7 @@ prefill/decode-disaggregated way, through two kvxferd daemons:
 * ``--prefill-tp`` prefill rank processes. Each runs the model's forward on every chunk of
   ``--chunk-tokens`` prompt tokens (chunked prefill). A real TP engine would compute only its own
   heads; here every rank computes the whole (tiny) model and keeps only the KV heads its TP rank
-  owns (:func:`kvxferd.layout.rank_heads`). The chunk's KV (the model's ``past_key_values`` for
+  owns (:func:`kvxfer_protocol.slot_layout.rank_heads`). The chunk's KV (the model's ``past_key_values`` for
   those tokens) is stored in the rank's paged KV pool, laid out as an engine keeps it (per layer K
   and V ``[num_slots, local_heads, head_dim]``, pages handed out in random order), then gathered by
   the kernel straight into a slot of the rank's ring and enqueued with ``kvxfer_client``. The first
@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 if TYPE_CHECKING:
-    from kvxferd.kernels.kv_copy import Backend
+    from kvxfer_client.kernels.kv_copy import Backend
 
 ROOT = Path(__file__).resolve().parent.parent
 ARCHS = ("llama", "qwen2", "mistral")
@@ -140,7 +140,7 @@ def kv_layout(spec: Spec, dtype: str) -> Any:
 
 def swap_rank(spec: Spec) -> int:
     """The decode rank that the swap-heads fault corrupts: the last one holding two heads or more."""
-    from kvxferd.layout import rank_heads
+    from kvxfer_protocol.slot_layout import rank_heads
 
     for rank in reversed(range(spec.decode_tp)):
         if rank_heads(spec.kv_heads, spec.decode_tp, rank).count >= 2:
@@ -233,7 +233,7 @@ class PagedPool:
     def __init__(
         self, spec: Spec, dtype: str, local_heads: int, num_pages: int, seed: int, garbage: bool
     ) -> None:
-        from kvxferd.kernels import KVPages
+        from kvxfer_client.kernels import KVPages
 
         gen = torch.Generator().manual_seed(seed)
         slots = num_pages * spec.page_size
@@ -331,7 +331,7 @@ def prefill_rank(spec: Spec, rank: int, results: Any) -> None:
 
 def _prefill_rank(spec: Spec, rank: int) -> dict[str, Any]:
     from kvxfer_client import PrefillSender
-    from kvxferd.layout import rank_heads
+    from kvxfer_protocol.slot_layout import rank_heads
 
     setup_torch(spec)
     heads = rank_heads(spec.kv_heads, spec.prefill_tp, rank)
@@ -423,7 +423,7 @@ def _watch(rx: Any, wake: queue.Queue[int]) -> None:
 
 def _decode_rank(spec: Spec, rank: int, results: Any) -> dict[str, Any]:
     from kvxfer_client import DecodeReceiver, RoomFailed, RoomState
-    from kvxferd.layout import rank_heads
+    from kvxfer_protocol.slot_layout import rank_heads
 
     setup_torch(spec)
     heads = rank_heads(spec.kv_heads, spec.decode_tp, rank)
@@ -532,7 +532,7 @@ def check_room(
     spec: Spec, dtype: str, model: Any, room: Room, ref: Reference, parts: dict[int, tuple[bytes, bytes]]
 ) -> dict[str, Any]:
     """Stitch the decode ranks' heads into one cache, generate from it, compare with the reference."""
-    from kvxferd.layout import rank_heads
+    from kvxfer_protocol.slot_layout import rank_heads
 
     dt = DTYPES[dtype]
     n = room.num_tokens
@@ -649,10 +649,10 @@ def run(spec: Spec, daemons: OwnDaemons | None = None) -> dict[str, Any]:
     if fork:
         # Forked ranks inherit these imports instead of paying for them once each.
         import kvxfer_client  # noqa: F401
-        import kvxferd.kernels
+        import kvxfer_client.kernels
 
-        if kvxferd.kernels.triton_available() and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-            import kvxferd.kernels._triton_kv
+        if kvxfer_client.kernels.triton_available() and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+            import kvxfer_client.kernels._triton_kv
     ctx: Any = mp.get_context("fork" if fork else "spawn")
     results: Any = ctx.Queue()
     procs: dict[tuple[str, int], Any] = {}
@@ -775,7 +775,7 @@ _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp3
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Spec]:
-    from kvxferd.layout import rank_heads
+    from kvxfer_protocol.slot_layout import rank_heads
 
     p = argparse.ArgumentParser(
         description="Prefill a transformers model in one engine, decode in another through two kvxferd daemons, "

@@ -30,33 +30,33 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
-from kvxfer_client._pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
+from kvxfer_protocol.pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
 from kvxferd import __version__
+from kvxferd.buffers.host_pool import POOL_SUFFIX, HostPool
+from kvxferd.buffers.memlimit import PoolDoesNotFit
 from kvxferd.config import Config, ConfigError, loopback_listen
-from kvxferd.domain import FailureCode
-from kvxferd.faults import FAULT_CONTROL_SUFFIX, PostDelay, fault_control
-from kvxferd.lane import LANE_SUFFIX, LaneServer
-from kvxferd.listeners import DecodeGuard, RefusalLog, listener_caps, raise_nofile, server_options
-from kvxferd.logs import setup_logging
-from kvxferd.memlimit import PoolDoesNotFit
-from kvxferd.memory import POOL_SUFFIX, HostPool
-from kvxferd.metrics import Metrics, start_metrics_server
-from kvxferd.node import Node
-from kvxferd.notif import join_notifs
-from kvxferd.owned import Busy, OwnerLock, check_dir, listen_failure_hint
-from kvxferd.peer_calls import PeerCallGuard
-from kvxferd.peer_heal import PAUSE_S
-from kvxferd.peer_link import grpc_options
-from kvxferd.peer_servicer import PEER_UNARY, PeerServicer, WireServer
-from kvxferd.peers import PeerManager
-from kvxferd.pool_socket import PoolSocket
-from kvxferd.ports import Identity
-from kvxferd.registry import REGISTRY_HEALTH
-from kvxferd.registry_etcd import RegistryUnavailable, make_registry
-from kvxferd.servicer import EngineServicer, wrap_servicer
-from kvxferd.transport import FaultInjector, LocalTransport, Transport
-from kvxferd.transport_nixl import NixlTransport
-from kvxferd.workers import WorkerPool
+from kvxferd.core.node import Node
+from kvxferd.core.peer_port import Identity
+from kvxferd.core.types import FailureCode
+from kvxferd.datapath.notif import join_notifs
+from kvxferd.datapath.workers import WorkerPool
+from kvxferd.engine_api.lane import LANE_SUFFIX, LaneServer
+from kvxferd.engine_api.pool_socket import PoolSocket
+from kvxferd.engine_api.servicer import EngineServicer, wrap_servicer
+from kvxferd.fleet.etcd import RegistryUnavailable, make_registry
+from kvxferd.fleet.registry import REGISTRY_HEALTH
+from kvxferd.ops.faults import FAULT_CONTROL_SUFFIX, PostDelay, fault_control
+from kvxferd.ops.listener_bounds import DecodeGuard, RefusalLog, listener_caps, raise_nofile, server_options
+from kvxferd.ops.logs import setup_logging
+from kvxferd.ops.metrics import Metrics, start_metrics_server
+from kvxferd.ops.owned_files import Busy, OwnerLock, check_dir, listen_failure_hint
+from kvxferd.peer.call_caps import PeerCallGuard
+from kvxferd.peer.heal import PAUSE_S
+from kvxferd.peer.link import grpc_options
+from kvxferd.peer.manager import PeerManager
+from kvxferd.peer.servicer import PEER_UNARY, PeerServicer, WireServer
+from kvxferd.transports.interface import FaultInjector, LocalTransport, Transport
+from kvxferd.transports.nixl import NixlTransport
 
 logger = logging.getLogger(__name__)
 GC_YOUNG_THRESHOLD = 10_000  # net allocations between young collections (CPython: 700)
@@ -123,7 +123,7 @@ SOCKET_SIDECARS = (FAULT_CONTROL_SUFFIX, POOL_SUFFIX, LANE_SUFFIX)
 
 def _claim_socket(path: str) -> OwnerLock:
     """The daemon serving `path` holds `<path>.lock` for its life (a lock, not a PID: see
-    kvxferd.owned). Once we hold it, a socket and a fault file left there are a dead daemon's and
+    kvxferd.ops.owned_files). Once we hold it, a socket and a fault file left there are a dead daemon's and
     are removed; a daemon that holds it is alive, in whatever PID namespace, and we do not start."""
     try:
         warning = check_dir(os.path.dirname(path) or ".", "socket directory")
@@ -185,7 +185,7 @@ def _bind(server: grpc.aio.Server, address: str, creds: grpc.ServerCredentials |
 
 
 def _cuda_importer(transport: Transport) -> Callable[..., Any]:
-    from kvxferd.gpu import make_cuda_importer
+    from kvxferd.buffers.gpu_rings import make_cuda_importer
 
     return make_cuda_importer(transport)
 
@@ -240,7 +240,7 @@ async def _start(d: _Daemon, ready: Callable[[Ready], None] | None) -> None:
     peer_server = grpc.aio.server(options=[*opts, *server_options(caps.peer_connections)])
     d.servers = [engine_server, peer_server]
     # Undecodable requests: INVALID_ARGUMENT and a summary line, not UNKNOWN and a traceback each.
-    # Peer port calls: per-source caps with room kept for peers (kvxferd.peer_calls), then the decode check.
+    # Peer port calls: per-source caps with room kept for peers (kvxferd.peer.call_caps), then the decode check.
     calls = PeerCallGuard(peer_server, config.max_peer_calls_per_source, caps.unauthenticated_streams, config.peers,
                           metrics.peer_calls_refused, RefusalLog("peer port calls"))
     engine, peer = DecodeGuard(engine_server, RefusalLog("engine API")), DecodeGuard(calls, RefusalLog("peer port"))
@@ -438,7 +438,7 @@ async def serve(
     instance = uuid.uuid4().hex[:12]
     lock = _claim_socket(config.socket)
     try:
-        # HostPool checks the pool against the memory of the backing it picks (kvxferd.memlimit).
+        # HostPool checks the pool against the memory of the backing it picks (kvxferd.buffers.memlimit).
         pool = HostPool(config.shm_dir, config.host_pool_bytes, instance, mode=config.socket_mode | 0o600,
                         backing=config.pool_backing, huge_dir=config.huge_dir)
     except PoolDoesNotFit as exc:

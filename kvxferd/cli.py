@@ -47,7 +47,7 @@ def _port_in_use(config: Any) -> str | None:
     import errno
     import socket
 
-    from kvxferd.owned import ephemeral_port_note
+    from kvxferd.ops.owned_files import ephemeral_port_note
 
     peer_host = config.peer_listen.rpartition(":")[0]
     wanted = [("peer service (peer_listen)", config.peer_listen),
@@ -84,7 +84,7 @@ def _registry_state(ch: Any, timeout: float) -> str:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from kvxferd.registry import REGISTRY_HEALTH
+    from kvxferd.fleet.registry import REGISTRY_HEALTH
 
     try:
         reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=REGISTRY_HEALTH),
@@ -115,7 +115,7 @@ def _fleet(args: argparse.Namespace) -> int:
     import time
 
     from kvxferd.config import ConfigError, load_config
-    from kvxferd.registry_etcd import RegistryUnavailable, read_fleet
+    from kvxferd.fleet.etcd import RegistryUnavailable, read_fleet
 
     overrides: dict[str, Any] = {"registry_backend": "etcd"}
     if args.endpoints:
@@ -151,7 +151,7 @@ def _status(args: argparse.Namespace) -> int:
     from google.protobuf.json_format import MessageToDict
 
     from kvxfer_client._common import Tls, sync_channel
-    from kvxfer_client._pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc
+    from kvxfer_protocol.pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc
     from kvxferd.config import _default_socket
 
     path = args.socket or os.environ.get("KVXFERD_SOCKET") or _default_socket()

@@ -20,7 +20,7 @@ import tomllib
 
 from kvxferd.addresses import split_hostport as split_hostport
 from kvxferd.addresses import valid_hostport as _valid_hostport
-from kvxferd.owned import check_dir
+from kvxferd.ops.owned_files import check_dir
 
 
 class ConfigError(ValueError):
@@ -99,7 +99,7 @@ class Config:
     peer_listen: str = "127.0.0.1:7471"
     # Address peers use to reach us; defaults to the bound peer address.
     advertise_address: str = ""
-    # The framed control stream between daemons (kvxferd.peer_wire), on peer_listen's host:
+    # The framed control stream between daemons (kvxferd.peer.wire), on peer_listen's host:
     # -1 off (the gRPC Session stream only), 0 a free port, else that port.
     peer_stream_port: int = 0
     daemon_id: str = ""
@@ -109,23 +109,23 @@ class Config:
     host_pool_bytes: int = 256 << 20
     shm_dir: str = "/dev/shm"
     # "auto": a private huge-page tmpfs handed to engines by fd, else a file in shm_dir (warned);
-    # "private": that or no start; "shm_dir": always a named file in shm_dir (kvxferd.memory);
+    # "private": that or no start; "shm_dir": always a named file in shm_dir (kvxferd.buffers.host_pool);
     # "huge_dir": a file in huge_dir or no start. "auto" tries huge_dir first when it is set.
     pool_backing: str = "auto"
     # A hugetlbfs (or huge= tmpfs) the platform mounted for the daemon (/dev/hugepages/kvxferd,
     # a Kubernetes HugePages emptyDir): huge pages without unshare or any capability; the pool
-    # file is handed to engines by fd, so they need no part of the mount (kvxferd.memory).
+    # file is handed to engines by fd, so they need no part of the mount (kvxferd.buffers.host_pool).
     huge_dir: str = ""
-    # Serve the engine API's unary calls on <socket>.lane too (kvxferd.lane): same calls, a
+    # Serve the engine API's unary calls on <socket>.lane too (kvxferd.engine_api.lane): same calls, a
     # fraction of gRPC's CPU per call; engines use it when the registration reply names it.
     engine_lane: bool = True
-    # Make the whole pool resident at start (kvxferd.memory.HostPool.prefault).
+    # Make the whole pool resident at start (kvxferd.buffers.host_pool.HostPool.prefault).
     prefault_pool: bool = True
-    # Transfer threads, each with its own UCX worker (kvxferd.workers); over CMA each copies at about one
+    # Transfer threads, each with its own UCX worker (kvxferd.datapath.workers); over CMA each copies at about one
     # core's speed (16 cores, loopback: 4/6/8/12 gave 13/22/23/32 GB/s). 0: half the CPUs this process
     # may use, 2 to 8: the rest stays with engines and the daemon's loop; idle workers cost nothing.
     workers: int = 0
-    # WRITEs of one room queued behind a busy transfer thread go as one (kvxferd.workers): one
+    # WRITEs of one room queued behind a busy transfer thread go as one (kvxferd.datapath.workers): one
     # post and one notification for several small parts. Off: each chunk is its own WRITE.
     merge_writes: bool = True
     # ... up to this many bytes in one WRITE: its fixed cost (post, completion, notification on both
@@ -151,7 +151,7 @@ class Config:
     room_deadline_s: float = 120.0
     drain_grace_s: float = 20.0
     max_message_bytes: int = 4 << 20
-    # Caps on what callers can make the daemon hold (kvxferd.limits): a caller at a cap is refused
+    # Caps on what callers can make the daemon hold (kvxferd.core.caps): a caller at a cap is refused
     # with RESOURCE_EXHAUSTED naming it; nothing is evicted for it.
     max_engines: int = 256
     max_rooms_per_engine: int = 8192
@@ -173,7 +173,7 @@ class Config:
     # Re-read when it changes; the previous secret is still accepted for peer_secret_overlap_s.
     peer_secret_file: str = ""
     peer_secret_overlap_s: float = 120.0
-    # The default peer proof, this uid's host secret (kvxferd/host_secret.py); "" = ~/.kvxferd/host-secret.
+    # The default peer proof, this uid's host secret (kvxferd/peer/host_secret.py); "" = ~/.kvxferd/host-secret.
     host_secret_file: str = ""
     # Allow unauthenticated peers (no mTLS, no secret), on loopback too: an explicit opt-in.
     insecure_peers: bool = False
@@ -191,13 +191,13 @@ class Config:
     max_pending_handshakes: int = 16
     max_peer_metadata_bytes: int = 1 << 20
     max_peer_batch_msgs: int = PEER_BATCH_MSGS
-    # Listener bounds (kvxferd.listeners): gRPC peer port connections (0: from max_peers and
+    # Listener bounds (kvxferd.ops.listener_bounds): gRPC peer port connections (0: from max_peers and
     # RLIMIT_NOFILE); framed streams before their Hello, and gRPC peer port calls before they
     # authenticate, each (over it the oldest stranger stream of the biggest source is cut).
     max_peer_connections: int = 0
     max_unauthenticated_streams: int = 64
     # gRPC peer port calls one source (an IP; an IPv6 /64) holds before they authenticate: a newcomer
-    # over it cuts that source's oldest such stream, or is refused (kvxferd.peer_calls).
+    # over it cuts that source's oldest such stream, or is refused (kvxferd.peer.call_caps).
     max_peer_calls_per_source: int = 32
     # Fleet registry ([registry] table in the file; KVXFERD_REGISTRY_* in the environment).
     # "none": rooms name their prefill daemon's address; "etcd": daemons publish themselves

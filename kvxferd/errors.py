@@ -41,7 +41,7 @@ class ResourceExhausted(KvxferError):
 
 
 class CapExceeded(ResourceExhausted):
-    """A caller reached one of the daemon's caps (kvxferd.limits); the message names it and its
+    """A caller reached one of the daemon's caps (kvxferd.core.caps); the message names it and its
     config key."""
 
 

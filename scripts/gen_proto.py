@@ -1,4 +1,4 @@
-"""Regenerate the protobuf/gRPC stubs in clients/python/kvxfer_client/_pb.
+"""Regenerate the protobuf/gRPC stubs in kvxfer_protocol/pb.
 
 Run: python scripts/gen_proto.py [--out DIR]
 The stubs are checked in; tests/test_proto_stubs.py fails when they are stale.
@@ -13,7 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "proto"
-DEFAULT_OUT = ROOT / "clients" / "python" / "kvxfer_client" / "_pb"
+DEFAULT_OUT = ROOT / "kvxfer_protocol" / "pb"
 
 
 def generate(out: Path) -> list[Path]:
@@ -31,7 +31,7 @@ def generate(out: Path) -> list[Path]:
         raise SystemExit(f"protoc failed with status {rc}")
     written = sorted(p for p in out.rglob("*.py*") if p.suffix in (".py", ".pyi"))
     # protoc emits absolute imports ("from kvxfer.v1 import x_pb2"); the stubs
-    # live inside kvxfer_client, so make them package-relative.
+    # live inside kvxfer_protocol, so make them package-relative.
     for path in written:
         text = path.read_text()
         text = re.sub(r"^from kvxfer\.v1 import ", "from . import ", text, flags=re.M)

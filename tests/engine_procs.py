@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from kvxfer_client import DecodeReceiver, Layout, PrefillSender, RoomState
+from kvxfer_protocol.slot_layout import KVLayout, bytes_per_head, rank_heads
 from kvxferd.bench.loopback_spec import RoomPlan
-from kvxferd.layout import KVLayout, bytes_per_head, rank_heads
 
 
 def klayout(layout: Layout) -> KVLayout:

@@ -1,5 +1,5 @@
 """A peer made by hand for the security and fuzz tests: it speaks the Peer service with or without
-the shared secret (kvxferd.peer_auth builds its proofs), plus status and metric readers."""
+the shared secret (kvxferd.peer.auth builds its proofs), plus status and metric readers."""
 
 from __future__ import annotations
 
@@ -18,13 +18,13 @@ from typing import Any
 import grpc
 
 from kvxfer_client import DecodeReceiver, Layout, PrefillSender
-from kvxfer_client._pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
+from kvxfer_protocol.pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
 from kvxferd.config import load_config
-from kvxferd.domain import DaemonRef
-from kvxferd.metrics import Metrics
-from kvxferd.peer_auth import Binding, Challenge, PeerAuth, Proof
-from kvxferd.peer_link import proof_of, proof_pb
-from kvxferd.peer_wire import BATCH, FRAME, REFUSE
+from kvxferd.core.types import DaemonRef
+from kvxferd.ops.metrics import Metrics
+from kvxferd.peer.auth import Binding, Challenge, PeerAuth, Proof
+from kvxferd.peer.link import proof_of, proof_pb
+from kvxferd.peer.wire import BATCH, FRAME, REFUSE
 from tests.conftest import DaemonProc, wait_ready
 
 OK = grpc.StatusCode.OK
@@ -60,7 +60,7 @@ def running(procs: dict[str, DaemonProc]) -> Iterator[dict[str, DaemonProc]]:
 
 def nixl_agent(prefix: str) -> Iterator[Any]:
     """A NIXL agent of this process (for a fixture to yield from): valid metadata for handshakes."""
-    from kvxferd.transport_nixl import NixlTransport
+    from kvxferd.transports.nixl import NixlTransport
 
     t = NixlTransport(f"{prefix}-{os.getpid()}", progress_thread=False)
     yield t
@@ -162,7 +162,7 @@ INVALID_ARGUMENT, PERMISSION_DENIED = 3, 7  # gRPC status codes, as REFUSE frame
 
 
 class Wire:
-    """A raw framed connection to a daemon's stream port (kvxferd.peer_wire), TLS with `tls`."""
+    """A raw framed connection to a daemon's stream port (kvxferd.peer.wire), TLS with `tls`."""
 
     def __init__(self, d: DaemonProc, tls: ssl.SSLContext | None = None) -> None:
         host, _, port = str(d.info["stream_address"]).rpartition(":")

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvxfer_client import KvxferError, Layout, PrefillSender
-from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from kvxfer_protocol.pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from kvxferd.config import Config
 from tests.conftest import ROOT
 
@@ -236,9 +236,9 @@ async def test_registration_answers_while_the_gpu_ring_imports(inproc: Any, monk
     answer within a short call deadline (here 1 s, for a 2.5 s import), and the client must get its
     engine once the ring is ready, with no call outliving the import."""
     import kvxferd.app
-    from kvxferd.engines import Ring
+    from kvxferd.buffers.host_pool import RingAllocator
+    from kvxferd.core.engines import Ring
     from kvxferd.errors import FailedPrecondition
-    from kvxferd.memory import RingAllocator
 
     imported: list[float] = []
     buf = bytearray(1 << 20)

@@ -23,7 +23,7 @@ import pytest
 from kvxfer_client import AsyncPrefillSender, ChunkRefused, KvxferError, Layout, PrefillSender
 from kvxfer_client._common import NotSent, ReplyLost
 from kvxfer_client._lane import REPLY, REQUEST, SyncLane
-from kvxfer_client._pb.kvxfer.v1 import engine_pb2
+from kvxfer_protocol.pb.kvxfer.v1 import engine_pb2
 from tests.test_e2e import status
 
 LAYOUT = Layout(num_layers=2, total_kv_heads=2, head_dim=64, dtype_bytes=2, page_size=16, dtype="bfloat16")

@@ -8,7 +8,7 @@ import pytest
 
 from kvxfer_client import Chunk
 from kvxfer_client._common import Slot, chunk_request, chunks_request
-from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2
+from kvxfer_protocol.pb.kvxfer.v1 import common_pb2, engine_pb2
 
 CHUNKS = [
     Chunk(room=0, chunk_id=0, token_start=0, num_tokens=1, slot=Slot(0, 0, 0)),

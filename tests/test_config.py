@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from kvxferd.config import ConfigError, load_config, parse_size, usable_cpus
-from kvxferd.owned import check_dir
+from kvxferd.ops.owned_files import check_dir
 from tests.test_security import as_user
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kvxfer_client import Layout, PrefillSender
+from kvxferd.buffers.gpu_rings import _probe_vram, _ucx_has_cuda, gpu_data_path, vram_over_nixl
 from kvxferd.config import ConfigError, load_config
-from kvxferd.gpu import _probe_vram, _ucx_has_cuda, gpu_data_path, vram_over_nixl
 
 LAYOUT = Layout(num_layers=2, total_kv_heads=2, head_dim=16, dtype_bytes=2, page_size=16)
 

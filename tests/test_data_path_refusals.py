@@ -16,17 +16,17 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
+from kvxfer_protocol.slot_layout import KVLayout, part_bytes
+from kvxferd.buffers.host_pool import HostPool
 from kvxferd.config import Config
-from kvxferd.credits import CreditWindow
-from kvxferd.domain import EngineSpec, FailureCode, Parallelism, Role, RoomKey, RoomState
-from kvxferd.engines import Engine
+from kvxferd.core.engines import Engine
+from kvxferd.core.node import Node
+from kvxferd.core.peer_port import BootstrapAnswer, BootstrapMsg, CreditSpec, Identity
+from kvxferd.core.types import EngineSpec, FailureCode, Parallelism, Role, RoomKey, RoomState
+from kvxferd.datapath.credits import CreditWindow
+from kvxferd.datapath.notif import Notif
 from kvxferd.errors import NotFound
-from kvxferd.layout import KVLayout, part_bytes
-from kvxferd.memory import HostPool
-from kvxferd.metrics import Metrics
-from kvxferd.node import Node
-from kvxferd.notif import Notif
-from kvxferd.ports import BootstrapAnswer, BootstrapMsg, CreditSpec, Identity
+from kvxferd.ops.metrics import Metrics
 
 LAY = KVLayout(2, 4, 16, 2, 16)  # 4 KV heads: decode TP 3 cannot split them
 

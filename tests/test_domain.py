@@ -1,4 +1,4 @@
-"""kvxferd.domain.quick_init: the faster __init__ of the per-chunk frozen dataclasses must build
+"""kvxferd.core.types.quick_init: the faster __init__ of the per-chunk frozen dataclasses must build
 the same objects the dataclass's own __init__ builds, and keep them frozen."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kvxferd.domain import ChunkSpec, LandedChunk, RoomEvent, RoomKey, RoomState, SlotRef, quick_init
+from kvxferd.core.types import ChunkSpec, LandedChunk, RoomEvent, RoomKey, RoomState, SlotRef, quick_init
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from kvxfer_client import Layout
-from kvxfer_client._pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc
+from kvxfer_protocol.pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc
 from tests.engine_procs import RoomPlan, decode_main, prefill_main
 from tests.faults.harness import metric
 

@@ -35,7 +35,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvxfer_client._common import receive_pool, registration
-from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
+from kvxfer_protocol.pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
 from kvxferd.app import Ready, serve
 from kvxferd.config import load_config
 
@@ -112,7 +112,7 @@ class FakePeer(peer_pb2_grpc.PeerServicer):
     in this process) and keeps a control stream alive; it never answers a bootstrap, never writes."""
 
     def __init__(self) -> None:
-        from kvxferd.transport_nixl import NixlTransport
+        from kvxferd.transports.nixl import NixlTransport
 
         self.transport = NixlTransport(f"kvx-fuzzpeer-{os.getpid()}", progress_thread=False)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))

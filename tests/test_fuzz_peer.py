@@ -36,9 +36,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvxfer_client import DecodeReceiver, Layout, PrefillSender, RoomState
-from kvxfer_client._pb.kvxfer.v1 import common_pb2, peer_pb2
-from kvxferd.domain import DaemonRef
-from kvxferd.peer_auth import Proof
+from kvxfer_protocol.pb.kvxfer.v1 import common_pb2, peer_pb2
+from kvxferd.core.types import DaemonRef
+from kvxferd.peer.auth import Proof
 from tests.conftest import DaemonProc, spawn_daemon, wait_ready
 from tests.peer_client import Client, caps, closed_port, code_of, secret_file, status
 
@@ -80,7 +80,7 @@ class World:
 
 @pytest.fixture(scope="module")
 def world() -> Iterator[World]:
-    from kvxferd.transport_nixl import NixlTransport
+    from kvxferd.transports.nixl import NixlTransport
 
     wd = Path(tempfile.mkdtemp(prefix="kvxfp-"))
     secret = secrets.token_hex(24).encode()

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kvxferd import gpu
-from kvxferd.gpu import (
+from kvxferd.buffers import gpu_rings as gpu
+from kvxferd.buffers.gpu_rings import (
     LINK_HOST,
     LINK_HOST_GPU,
     LINK_PEER,

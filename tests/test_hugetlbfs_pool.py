@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from kvxfer_client import DecodeReceiver, Layout, PrefillSender
-from kvxferd.memlimit import PoolDoesNotFit, check_pool_fits
+from kvxferd.buffers.memlimit import PoolDoesNotFit, check_pool_fits
 
 try:
     import tomllib

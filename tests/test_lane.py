@@ -1,5 +1,5 @@
-"""The engine lane (kvxferd/lane.py) and the fd-passed huge-page pool (kvxferd/hugepool.py,
-kvxferd/pool_socket.py), against real daemons: same answers as gRPC, nothing left behind."""
+"""The engine lane (kvxferd/engine_api/lane.py) and the fd-passed huge-page pool (kvxferd/buffers/hugepool.py,
+kvxferd/engine_api/pool_socket.py), against real daemons: same answers as gRPC, nothing left behind."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import pytest
 
 from kvxfer_client import DecodeReceiver, KvxferError, Layout, PrefillSender
 from kvxfer_client._lane import REPLY, REQUEST
-from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc
-from kvxferd.hugepool import Unavailable, private_huge_file
+from kvxfer_protocol.pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from kvxferd.buffers.hugepool import Unavailable, private_huge_file
 
 LAYOUT = Layout(num_layers=2, total_kv_heads=2, head_dim=16, dtype_bytes=2, page_size=16)
 

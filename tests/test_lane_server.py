@@ -1,4 +1,4 @@
-"""kvxferd.lane's server on its own, with small handlers: calls that finish at once, calls that wait
+"""kvxferd.engine_api.lane's server on its own, with small handlers: calls that finish at once, calls that wait
 although they were not declared as waiting (they go on from where they stopped), calls declared
 as waiting (run as tasks, so task-bound helpers such as asyncio.timeout work), and a dropped
 connection cancelling a call where it waits."""
@@ -13,8 +13,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvxfer_client._pb.kvxfer.v1 import common_pb2
-from kvxferd.lane import REPLY, REQUEST, LaneContext, LaneServer
+from kvxfer_protocol.pb.kvxfer.v1 import common_pb2
+from kvxferd.engine_api.lane import REPLY, REQUEST, LaneContext, LaneServer
 
 
 class Handlers:

@@ -5,7 +5,7 @@ from functools import cache
 
 import pytest
 
-from kvxferd.layout import (
+from kvxfer_protocol.slot_layout import (
     HeadSlice,
     KVLayout,
     RankHeads,

@@ -23,7 +23,14 @@ from typing import Any
 import pytest
 
 from kvxfer_client import KvxferError, Layout, PrefillSender
-from kvxferd.owned import Busy, OwnerLock, check_dir, ephemeral_port_range, listen_failure_hint, remove_unowned
+from kvxferd.ops.owned_files import (
+    Busy,
+    OwnerLock,
+    check_dir,
+    ephemeral_port_range,
+    listen_failure_hint,
+    remove_unowned,
+)
 from tests.conftest import DaemonProc
 
 LAYOUT = Layout(num_layers=2, total_kv_heads=2, head_dim=16, dtype_bytes=2, page_size=16)

@@ -26,12 +26,12 @@ import grpc
 import pytest
 
 from kvxfer_client import DecodeReceiver, KvxferError, Layout, PrefillSender
-from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from kvxfer_protocol.pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from kvxferd.config import Config
-from kvxferd.domain import RoomEvent, RoomKey, RoomState
+from kvxferd.core.caps import Limits
+from kvxferd.core.room_events import EventHub
+from kvxferd.core.types import RoomEvent, RoomKey, RoomState
 from kvxferd.errors import CapExceeded
-from kvxferd.events import EventHub
-from kvxferd.limits import Limits
 from tests.conftest import ROOT, DaemonProc, daemon_env, spawn_daemon, stop_all, wait_ready
 from tests.faults.harness import status, wait_until
 

@@ -26,15 +26,15 @@ import grpc
 import pytest
 
 from kvxfer_client import PrefillSender
-from kvxfer_client._pb.kvxfer.v1 import peer_pb2_grpc
+from kvxfer_protocol.pb.kvxfer.v1 import peer_pb2_grpc
 from kvxferd.addresses import call_source
 from kvxferd.config import Config
-from kvxferd.lane import LANE_SUFFIX, REPLY, REQUEST
-from kvxferd.listeners import RefusalLog
-from kvxferd.metrics import Metrics
-from kvxferd.peer_calls import PeerCallGuard
-from kvxferd.peer_link import PeerLink, Session
-from kvxferd.peer_wire import BATCH, FRAME
+from kvxferd.engine_api.lane import LANE_SUFFIX, REPLY, REQUEST
+from kvxferd.ops.listener_bounds import RefusalLog
+from kvxferd.ops.metrics import Metrics
+from kvxferd.peer.call_caps import PeerCallGuard
+from kvxferd.peer.link import PeerLink, Session
+from kvxferd.peer.wire import BATCH, FRAME
 from tests.conftest import DaemonProc
 from tests.faults.harness import launch, wait_until
 from tests.peer_client import LAYOUT, Wire, closed_port, one_room, peer_streams, running

@@ -16,13 +16,15 @@ from typing import Any
 
 import pytest
 
-from kvxfer_client._pb.kvxfer.v1 import peer_pb2
-from kvxferd import gpu, local_ipc, workers
-from kvxferd.local_ipc import PATH_IPC, IpcViews, SameHost, ring_for, valid_local
-from kvxferd.peer_dispatch import _with_local
-from kvxferd.ports import CreditSpec, LocalRing
-from kvxferd.transport import XferState
-from kvxferd.workers import POST_FAILED, TransferJob, WorkerPool, by_ipc
+from kvxfer_protocol.pb.kvxfer.v1 import peer_pb2
+from kvxferd.buffers import gpu_rings as gpu
+from kvxferd.core.peer_port import CreditSpec, LocalRing
+from kvxferd.datapath import workers
+from kvxferd.datapath.workers import POST_FAILED, TransferJob, WorkerPool, by_ipc
+from kvxferd.peer.dispatch import _with_local
+from kvxferd.transports import local_ipc
+from kvxferd.transports.interface import XferState
+from kvxferd.transports.local_ipc import PATH_IPC, IpcViews, SameHost, ring_for, valid_local
 
 HANDLE = bytes(range(1, 65))
 UUID = "GPU-00000000-0000-0000-0000-000000000001"
@@ -63,7 +65,7 @@ def proven(monkeypatch: pytest.MonkeyPatch) -> SameHost:
     sh = SameHost(b"boot")
     assert sh.check(sh.tag(ref("peer", "inst"), "me"), ref("peer", "inst"), "me", authenticated=True)
     monkeypatch.setattr(local_ipc, "same_host", sh)
-    import kvxferd.peer_dispatch as pd
+    import kvxferd.peer.dispatch as pd
 
     monkeypatch.setattr(pd, "same_host", sh)
     return sh
@@ -157,7 +159,7 @@ def test_a_ring_that_cannot_be_opened_goes_over_nixl_with_one_warning(caplog: py
     op = FakeOpener(fail=True)
     v = IpcViews(op)
     c = credit(1, 0, 4096)
-    with caplog.at_level(logging.WARNING, logger="kvxferd.local_ipc"):
+    with caplog.at_level(logging.WARNING, logger="kvxferd.transports.local_ipc"):
         for _ in range(3):
             assert v.route([(0x100, 0x7000_0000, 8)], [c], "VRAM", 0) is None
     warned = [r for r in caplog.records if "cannot open its CUDA IPC handle" in r.getMessage()]

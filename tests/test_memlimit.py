@@ -1,5 +1,5 @@
 """The host pool is checked against the memory the daemon may use before anything is allocated
-(kvxferd.memlimit): a real daemon asked for more than the machine has exits 2 with one line, and the
+(kvxferd.buffers.memlimit): a real daemon asked for more than the machine has exits 2 with one line, and the
 limits are read from /proc/meminfo and cgroup v2 files as the kernel lays them out (tmp copies of
 that layout here: this machine's own cgroup may have no limit)."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvxferd.memlimit import RESERVE_BYTES, PoolDoesNotFit, cgroup_headroom, check_pool_fits, headroom
+from kvxferd.buffers.memlimit import RESERVE_BYTES, PoolDoesNotFit, cgroup_headroom, check_pool_fits, headroom
 from tests.conftest import daemon_env
 
 MIB = 1 << 20

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from kvxferd.buffers.host_pool import HostPool, RingAllocator
 from kvxferd.errors import InvalidArgument
-from kvxferd.memory import HostPool, RingAllocator
 
 
 def test_ring_out_of_order_free_coalesces() -> None:

@@ -18,9 +18,9 @@ import time
 from contextlib import closing
 from pathlib import Path
 
-from kvxferd.domain import DaemonRef
-from kvxferd.metrics import OTHER_PEERS
-from kvxferd.transport_nixl import NixlTransport
+from kvxferd.core.types import DaemonRef
+from kvxferd.ops.metrics import OTHER_PEERS
+from kvxferd.transports.nixl import NixlTransport
 from tests.conftest import spawn_daemon
 from tests.peer_client import Client, closed_port, running, secret_file
 from tests.test_notif_binding import scrape

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvxferd.domain import ChunkSpec, RoomKey, SlotRef
-from kvxferd.notif import MAX_PARTS, Notif, decode_notif, decode_notifs, encode_notif, join_notifs, new_token
+from kvxferd.core.types import ChunkSpec, RoomKey, SlotRef
+from kvxferd.datapath.notif import MAX_PARTS, Notif, decode_notif, decode_notifs, encode_notif, join_notifs, new_token
 
 TOKEN = new_token()
 

@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 
 from kvxfer_client import DecodeReceiver, PrefillSender, RoomState
-from kvxferd.domain import DaemonRef, RoomKey
-from kvxferd.notif import encode_notif, new_token
-from kvxferd.transport_nixl import NixlTransport
+from kvxferd.core.types import DaemonRef, RoomKey
+from kvxferd.datapath.notif import encode_notif, new_token
+from kvxferd.transports.nixl import NixlTransport
 from tests.conftest import DaemonProc, spawn_daemon
 from tests.peer_client import CHUNK, LAYOUT, Client, closed_port, running, secret_file
 

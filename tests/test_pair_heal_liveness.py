@@ -1,4 +1,4 @@
-"""Slow or dead, and this daemon's own pauses (kvxferd.peer_heal), against real sockets: a silent peer
+"""Slow or dead, and this daemon's own pauses (kvxferd.peer.heal), against real sockets: a silent peer
 whose port accepts a TCP connect is slow and lost only after slow_peer_limit_s; one whose
 port refuses is lost at the limit, saying so; after a pause every link counts as heard just now.
 The daemon-level cases (SIGSTOP of real daemons, transport errors) are in tests/faults/test_pair_heal.py.
@@ -12,9 +12,9 @@ import time
 from typing import Any
 
 from kvxferd.config import Config
-from kvxferd.metrics import Metrics
-from kvxferd.peer_heal import SLOW_FACTOR, PairHealth
-from kvxferd.peer_link import PeerLink, Session
+from kvxferd.ops.metrics import Metrics
+from kvxferd.peer.heal import SLOW_FACTOR, PairHealth
+from kvxferd.peer.link import PeerLink, Session
 
 CONFIG = Config(heartbeat_interval_s=1.0, heartbeat_misses=2, slow_peer_limit_s=0.0)
 LIMIT = 2.0

@@ -24,8 +24,8 @@ from typing import Any
 import grpc
 import pytest
 
-from kvxfer_client._pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc
-from kvxferd.layout import KVLayout, part_bytes
+from kvxfer_protocol.pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc
+from kvxfer_protocol.slot_layout import KVLayout, part_bytes
 from tests.conftest import ROOT, DaemonProc, spawn_daemon, wait_ready
 
 pytestmark = pytest.mark.skipif(
@@ -56,7 +56,7 @@ import transformers.models.llama.modeling_llama  # noqa: F401
 import transformers.models.mistral.modeling_mistral  # noqa: F401
 import transformers.models.qwen2.modeling_qwen2  # noqa: F401
 import kvxfer_client  # noqa: F401
-import kvxferd.kernels._triton_kv  # noqa: F401
+import kvxfer_client.kernels._triton_kv  # noqa: F401
 from examples import pd_transformers
 print("ready", flush=True)
 for line in sys.stdin:

@@ -26,12 +26,12 @@ import grpc
 import pytest
 
 from kvxfer_client import DecodeReceiver, RoomFailed
-from kvxfer_client._pb.kvxfer.v1 import peer_pb2, peer_pb2_grpc
-from kvxferd import host_secret
+from kvxfer_protocol.pb.kvxfer.v1 import peer_pb2, peer_pb2_grpc
 from kvxferd.config import Config, ConfigError, load_config
-from kvxferd.domain import DaemonRef
-from kvxferd.peer_auth import Challenge, Proof
-from kvxferd.peer_link import proof_of, proof_pb
+from kvxferd.core.types import DaemonRef
+from kvxferd.peer import host_secret
+from kvxferd.peer.auth import Challenge, Proof
+from kvxferd.peer.link import proof_of, proof_pb
 from tests.conftest import ROOT, DaemonProc, daemon_env, spawn_daemon
 from tests.faults.harness import metric
 from tests.peer_client import (

@@ -10,7 +10,7 @@ tests.conftest.inproc runs them) and framed streams against raw sockets:
 
 A peer "hangs" (as under SIGSTOP) by having its writes never finish and its socket not read. Its
 port still accepts connections, so by default it would be held as slow for slow_peer_limit_s
-(kvxferd.peer_heal); the tests of a hung peer's loss set it to 0 (lost at twice the heartbeat limit).
+(kvxferd.peer.heal); the tests of a hung peer's loss set it to 0 (lost at twice the heartbeat limit).
 """
 
 from __future__ import annotations
@@ -26,14 +26,15 @@ from typing import Any
 
 import pytest
 
-from kvxfer_client._pb.kvxfer.v1 import peer_pb2
-from kvxferd import peer_link, peer_wire
+from kvxfer_protocol.pb.kvxfer.v1 import peer_pb2
 from kvxferd.config import Config
-from kvxferd.domain import FailureCode, RoomKey
-from kvxferd.metrics import Metrics
-from kvxferd.peer_link import PeerLink, Session
-from kvxferd.peer_wire import WireStream
-from kvxferd.peers import PeerManager
+from kvxferd.core.types import FailureCode, RoomKey
+from kvxferd.ops.metrics import Metrics
+from kvxferd.peer import link as peer_link
+from kvxferd.peer import wire as peer_wire
+from kvxferd.peer.link import PeerLink, Session
+from kvxferd.peer.manager import PeerManager
+from kvxferd.peer.wire import WireStream
 from tests.conftest import InProcDaemon
 
 # ---------------------------------------------------------------------------- helpers

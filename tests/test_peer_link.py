@@ -6,9 +6,9 @@ import asyncio
 from typing import Any
 
 from kvxferd.config import Config
-from kvxferd.domain import FailureCode, RoomKey
-from kvxferd.metrics import Metrics
-from kvxferd.peer_link import LAZY_FLUSH_S, MAX_RANGES_PER_MSG, PeerLink, Session
+from kvxferd.core.types import FailureCode, RoomKey
+from kvxferd.ops.metrics import Metrics
+from kvxferd.peer.link import LAZY_FLUSH_S, MAX_RANGES_PER_MSG, PeerLink, Session
 
 
 async def _link() -> tuple[PeerLink, list[Any]]:

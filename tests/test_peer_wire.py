@@ -1,4 +1,4 @@
-"""The framed control stream between daemons (kvxferd.peer_wire): rooms run on it, a daemon that
+"""The framed control stream between daemons (kvxferd.peer.wire): rooms run on it, a daemon that
 does not serve it is reached over the Session RPC, and it refuses exactly what the RPC refuses.
 
 Real daemons (subprocesses) with a shared peer secret; a hand-made peer (tests.peer_client) with a
@@ -19,9 +19,9 @@ from typing import Any
 import grpc
 import pytest
 
-from kvxfer_client._pb.kvxfer.v1 import peer_pb2
-from kvxferd.domain import DaemonRef
-from kvxferd.peer_wire import BATCH, FRAME, REFUSE
+from kvxfer_protocol.pb.kvxfer.v1 import peer_pb2
+from kvxferd.core.types import DaemonRef
+from kvxferd.peer.wire import BATCH, FRAME, REFUSE
 from tests.conftest import DaemonProc, spawn_daemon
 from tests.faults.harness import fault_command, wait_until
 from tests.peer_client import Client, Wire, code_of, nixl_agent, one_room, peer_streams, running, secret_file, status

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECKED_IN = ROOT / "clients" / "python" / "kvxfer_client" / "_pb"
+CHECKED_IN = ROOT / "kvxfer_protocol" / "pb"
 
 
 def test_stubs_are_fresh(tmp_path: Path) -> None:

@@ -8,10 +8,10 @@ import threading
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kvxferd.metrics import Metrics
-from kvxferd.scheduler import Scheduler
-from kvxferd.transport import XferState
-from kvxferd.workers import TransferJob, WorkerPool
+from kvxferd.datapath.scheduler import Scheduler
+from kvxferd.datapath.workers import TransferJob, WorkerPool
+from kvxferd.ops.metrics import Metrics
+from kvxferd.transports.interface import XferState
 from tests.test_workers import GatedTransport
 
 

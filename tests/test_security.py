@@ -43,7 +43,7 @@ from kvxfer_client import (
     async_daemon_status,
     daemon_status,
 )
-from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
+from kvxfer_protocol.pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
 from kvxferd.config import Config
 from tests.conftest import ROOT, DaemonProc, daemon_env, spawn_daemon, wait_ready
 from tests.peer_client import PERMISSION_DENIED, Wire, peer_streams
@@ -440,7 +440,7 @@ def _peer_ids(d: DaemonProc) -> set[str]:
 def test_a_certificate_binds_the_daemon_id_its_holder_may_claim(fleet: Fleet, pki: Pki) -> None:
     """Holding a valid certificate of daemon "attacker", a caller cannot handshake, open a stream
     or heartbeat as daemon "D" (or as "pre", a daemon the target knows); as itself it can."""
-    from kvxferd.transport_nixl import NixlTransport
+    from kvxferd.transports.nixl import NixlTransport
 
     dec = fleet.d["dec"]
     agent = NixlTransport(f"kvx-sec-{os.getpid()}", progress_thread=False)
@@ -480,7 +480,7 @@ def test_the_cn_does_not_name_a_daemon_when_the_certificate_has_a_uri_san(fleet:
     """A certificate of our CA whose CN is "pre" (a daemon dec knows) and whose only URI SAN names
     something else names no daemon at all: a handshake, Hello or Heartbeat as "pre" is refused on
     the gRPC port (gRPC's auth context) and a Hello on the framed port (Python ssl's peercert)."""
-    from kvxferd.transport_nixl import NixlTransport
+    from kvxferd.transports.nixl import NixlTransport
 
     dec = fleet.d["dec"]
     agent = NixlTransport(f"kvx-sec-uri-{os.getpid()}", progress_thread=False)

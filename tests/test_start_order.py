@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from kvxfer_client import AsyncDecodeReceiver, AsyncPrefillSender, Layout, RoomFailed
-from kvxferd.layout import KVLayout, part_bytes
+from kvxfer_protocol.slot_layout import KVLayout, part_bytes
 
 LAYOUT = Layout(num_layers=2, total_kv_heads=2, head_dim=16, dtype_bytes=2, page_size=16, dtype="bfloat16")
 KLAYOUT = KVLayout(2, 2, 16, 2, 16)

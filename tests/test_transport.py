@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvxferd.transport import (
+from kvxferd.transports.interface import (
     FaultInjector,
     LocalTransport,
     Transport,
@@ -26,7 +26,7 @@ from kvxferd.transport import (
     XferState,
     coalesce,
 )
-from kvxferd.transport_nixl import NixlTransport, agent_name_from_metadata
+from kvxferd.transports.nixl import NixlTransport, agent_name_from_metadata
 from tests.conftest import ROOT
 
 MiB = 1 << 20
@@ -523,7 +523,7 @@ def test_daemon_transport_does_not_import_torch() -> None:
     of every daemon start on the CI machine); the daemon never needs torch for a host-memory agent."""
     code = (
         "import sys\n"
-        "from kvxferd.transport_nixl import NixlTransport\n"
+        "from kvxferd.transports.nixl import NixlTransport\n"
         "t = NixlTransport('no-torch-probe')\n"
         "t.close()\n"
         "print('torch' in sys.modules)\n"

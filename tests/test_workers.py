@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from kvxferd.transport import XferState
-from kvxferd.workers import TransferJob, WorkerPool
+from kvxferd.datapath.workers import TransferJob, WorkerPool
+from kvxferd.transports.interface import XferState
 
 
 class GatedTransport:

@@ -1,8 +1,8 @@
-"""kvxferd.write_plan on fake windows: which bytes of a chunk go where, without daemons or NIXL.
+"""kvxferd.datapath.write_plan on fake windows: which bytes of a chunk go where, without daemons or NIXL.
 
 A fake window is a base address and a memory kind; its ranges are carved back to back like the
-credit windows of kvxferd.credits. Every plan is checked by applying its descriptors to byte
-arrays and comparing each reader's bytes with the heads it must hold (kvxferd.layout.plan).
+credit windows of kvxferd.datapath.credits. Every plan is checked by applying its descriptors to byte
+arrays and comparing each reader's bytes with the heads it must hold (kvxfer_protocol.slot_layout.plan).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kvxferd.layout import KVLayout, plan, rank_heads
-from kvxferd.write_plan import PagePlan, PlanError, plan_page_writes, plan_slot_writes, slot_runs
+from kvxfer_protocol.slot_layout import KVLayout, plan, rank_heads
+from kvxferd.datapath.write_plan import PagePlan, PlanError, plan_page_writes, plan_slot_writes, slot_runs
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvxfer_client import DecodeReceiver, KvxferError, Layout, PrefillSender, RoomState
-from kvxferd.write_plan import coalesce, slot_runs
+from kvxferd.datapath.write_plan import coalesce, slot_runs
 
 PS = 16
 

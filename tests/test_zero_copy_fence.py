@@ -1,4 +1,4 @@
-"""The page fence of zero-copy rooms (kvxferd.fence), on subprocess daemons with real NIXL: a
+"""The page fence of zero-copy rooms (kvxferd.datapath.fence), on subprocess daemons with real NIXL: a
 decode room that fails while a prefill WRITE toward its pages is held (fault hook `delay`) is
 FAILED at once, with its pages fenced; release() returns only once that WRITE is over, so pages
 the engine reuses after it never take late bytes. Before the fence, release() returned at once

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (issue #38): two daemons on one host move VRAM by CUDA IPC (kvxferd/local_ipc.py).
+# One device call (issue #38): two daemons on one host move VRAM by CUDA IPC (kvxferd/transports/local_ipc.py).
 # From the repo root there, carrying the small wheels of .whl/ (grpcio, grpcio-health-checking,
 # grpcio-reflection, protobuf, aetcd, nixl_slim.tar.xz; bench/device/make_wheels.sh):
 #   KVX_COMMIT=<commit> bash bench/device/gpu_local_ipc.sh

@@ -2,7 +2,7 @@
 
 Each variant runs in a fresh process, as the daemon would (NIXL agent first, then CUDA):
   own / ipc: the registered memory is a tensor of this process / a range another process
-             exported and this one imported with kvxferd.cuda_ipc (the daemon's GPU-ring case)
+             exported and this one imported with kvxfer_protocol.cuda_ipc (the daemon's GPU-ring case)
   cache-y / cache-n: UCX_MEMTYPE_CACHE (kvxferd's transport defaults it to n)
 Prints one line per variant: OK, or FAIL with the error. Usage: python3 nixl_vram_probe.py
 Seen on an H200 (nixl-cu13 1.5.1): own OK; ipc/cache-y FAIL "VRAM memory is detected as host".
@@ -22,7 +22,7 @@ def child(variant: str, handle_hex: str, uuid: str, size: int, offset: int) -> N
     agent = nixl_agent("probe", nixl_agent_config(backends=["UCX"]))
     import torch
 
-    from kvxferd import cuda_ipc
+    from kvxfer_protocol import cuda_ipc
 
     if mem == "own":
         t = torch.empty(size, dtype=torch.uint8, device="cuda:0")
@@ -41,7 +41,7 @@ def child(variant: str, handle_hex: str, uuid: str, size: int, offset: int) -> N
 def main() -> None:
     import torch
 
-    from kvxferd import cuda_ipc
+    from kvxfer_protocol import cuda_ipc
 
     ring = torch.empty(64 << 20, dtype=torch.uint8, device="cuda:0")
     h = cuda_ipc.export_tensor(ring)

@@ -62,7 +62,7 @@ def _memory(kind: str, device: int, handle: Any, fill: bool) -> tuple[Any, int, 
     """(keep-alive object, pointer, uint8 tensor view) of SIZE bytes on `device`."""
     import torch
 
-    from kvxferd import cuda_ipc
+    from kvxfer_protocol import cuda_ipc
 
     if kind == "own":
         t = torch.zeros(SIZE, dtype=torch.uint8, device=f"cuda:{device}")
@@ -80,8 +80,8 @@ def child(role: str, kind: str, device: int, handle: Any, conn: Any, log: str) -
     _redirect(log)
     out: dict[str, Any] = {}
     try:
-        from kvxferd.transport import XferState
-        from kvxferd.transport_nixl import NixlTransport
+        from kvxferd.transports.interface import XferState
+        from kvxferd.transports.nixl import NixlTransport
 
         tr = NixlTransport(f"probe-{role}")
         import torch
@@ -89,7 +89,7 @@ def child(role: str, kind: str, device: int, handle: Any, conn: Any, log: str) -
         keep, ptr, view = _memory(kind, device, handle, fill=role == "src")
         tr.register_region(ptr, SIZE, "VRAM", device)
         if kind == "ipc":
-            from kvxferd import cuda_ipc
+            from kvxfer_protocol import cuda_ipc
 
             libs = cuda_ipc._load()
             h = cuda_ipc._IpcMemHandle()
@@ -177,14 +177,14 @@ def run(kind: str, src_dev: int, dst_dev: int, handles: dict[int, Any], tmp: str
 
 
 def copy_child(handles: dict[int, Any], conn: Any) -> None:
-    """The daemon's same-node copy (kvxferd.gpu.device_copies) between rings imported by CUDA IPC,
+    """The daemon's same-node copy (kvxferd.buffers.gpu_rings.device_copies) between rings imported by CUDA IPC,
     against a device copy between tensors of this process (torch: cudaMemcpyPeerAsync across GPUs)."""
     out: dict[str, Any] = {}
     try:
         import torch
 
-        from kvxferd import cuda_ipc
-        from kvxferd.gpu import device_copies, peer_views
+        from kvxfer_protocol import cuda_ipc
+        from kvxferd.buffers.gpu_rings import device_copies, peer_views
 
         rings = {k: cuda_ipc.open_handle(h) for k, h in handles.items()}
         for k, m in rings.items():  # as the daemon's importer does
@@ -227,8 +227,8 @@ def copy_variants(handles: dict[int, Any], conn: Any) -> None:
     try:
         import torch
 
-        from kvxferd import cuda_ipc
-        from kvxferd.gpu import peer_access
+        from kvxfer_protocol import cuda_ipc
+        from kvxferd.buffers.gpu_rings import peer_access
 
         libs = cuda_ipc._load()
         rt = libs.cudart
@@ -283,7 +283,7 @@ def main() -> None:
     os.environ["UCX_PROTO_INFO"] = "y"
     import torch
 
-    from kvxferd import cuda_ipc
+    from kvxfer_protocol import cuda_ipc
 
     ngpu = torch.cuda.device_count()
     keep, handles = [], {}

@@ -6,7 +6,7 @@ Headline comparisons, each a ratio of bandwidths (1.0 = as fast as the copy):
 * scatter from pinned host memory vs an H2D copy (host-pool path, decode side),
 * gather into a GPU staging ring vs a device-to-device copy (GPU-ring path).
 
-Host ops run as shipped (:class:`~kvxferd.kernels.KVPages` with its default
+Host ops run as shipped (:class:`~kvxfer_client.kernels.KVPages` with its default
 staging buffer); the ``*_direct`` rows show the kernel driving PCIe itself
 (``staging_bytes=0``) and ``ring_scatter`` the decode side of the GPU-ring path,
 for reference.
@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
+from kvxfer_client.kernels import KVPages, TileConfig, slot_nbytes
 from kvxferd.bench._common import write_json
-from kvxferd.kernels import KVPages, TileConfig, slot_nbytes
 
 logger = logging.getLogger(__name__)
 

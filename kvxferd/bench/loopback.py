@@ -46,12 +46,12 @@ import traceback
 from dataclasses import asdict, replace
 from typing import Any
 
+from kvxfer_protocol.slot_layout import plan
 from kvxferd.bench._common import fmt_bytes, machine_info, rounded, write_json
 from kvxferd.bench.loopback_paths import LoopbackBench, reference_raw_nixl, run_sweep, sweep_steps
 from kvxferd.bench.loopback_report import cdf_path, compute_ratios, plot, print_results, target_table
 from kvxferd.bench.loopback_spec import DEFAULT, QUICK, ModelShape, Settings
 from kvxferd.config import parse_size
-from kvxferd.layout import plan
 
 
 def _ints(text: str) -> tuple[int, ...]:

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from kvxfer_protocol.slot_layout import bytes_per_head, rank_heads
 from kvxferd.bench.loopback_procs import child_loop, redirect_output
 from kvxferd.bench.loopback_spec import (
     STAMP_BYTES,
@@ -28,7 +29,6 @@ from kvxferd.bench.loopback_spec import (
     pattern_bytes,
     tail_stamp,
 )
-from kvxferd.layout import bytes_per_head, rank_heads
 
 # Engines register with a long lease: on a loaded (shared) machine a starved keep-alive thread
 # must not end a run.

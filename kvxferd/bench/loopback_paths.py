@@ -10,11 +10,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
+from kvxfer_protocol.slot_layout import bytes_per_head, plan, rank_heads
 from kvxferd.bench._common import iter_chunks, latency_summary
 from kvxferd.bench.loopback_raw import RawSpec, raw_plan
 from kvxferd.bench.loopback_setup import EngineGroup, LoopbackRig
 from kvxferd.bench.loopback_spec import RoomPlan, RunSpec, Settings
-from kvxferd.layout import bytes_per_head, plan, rank_heads
 
 
 def summarize(admit: Sequence[float], done: Sequence[float], room_bytes: Sequence[int], in_flight: int) -> dict[str, Any]:

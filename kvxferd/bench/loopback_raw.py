@@ -191,7 +191,7 @@ def _make_side(backend: str, name: str, nbytes: int, fill: bool) -> _Side:
     if backend == "mooncake":
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
         return _MooncakeSide(name, nbytes, fill)
-    from kvxferd.transport_nixl import apply_ucx_env_defaults
+    from kvxferd.transports.nixl import apply_ucx_env_defaults
 
     apply_ucx_env_defaults()  # the UCX environment the daemons run with
     return NixlSide(name, nbytes, fill)

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvxfer_protocol.slot_layout import KVLayout
 from kvxferd.bench._common import fmt_bytes
-from kvxferd.layout import KVLayout
 
 
 @dataclass(frozen=True)

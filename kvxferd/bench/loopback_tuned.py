@@ -8,8 +8,8 @@ kvxferd's own cost (issue #38: "3.0x raw NIXL" at 4 workers was 0.94 of raw NIXL
 
 * the NIXL agent has the daemon's number of UCX workers (``num_workers``, thread-safe agent) and
   the initiator posts from as many threads, each bound to its own worker (NIXL hands each posting
-  thread the next worker in turn), as :mod:`kvxferd.workers` does;
-* both buffers are host pools made the way the daemons make theirs (:class:`kvxferd.memory.HostPool`,
+  thread the next worker in turn), as :mod:`kvxferd.datapath.workers` does;
+* both buffers are host pools made the way the daemons make theirs (:class:`kvxferd.buffers.host_pool.HostPool`,
   the default ``auto`` backing: huge pages where the daemon gets them), prefaulted;
 * the memcpy ceiling: the same threads copying the same chunks between two such pools in the
   initiator, the same closed loop of rooms, stamps and the same byte check.
@@ -36,7 +36,7 @@ from kvxferd.bench.loopback_raw import (
     raw_plan,
     serve_side,
 )
-from kvxferd.memory import HostPool
+from kvxferd.buffers.host_pool import HostPool
 
 
 def _pool(nbytes: int, tag: str) -> tuple[HostPool, np.ndarray]:
@@ -49,11 +49,11 @@ class TunedNixlSide(NixlSide):
     """A NIXL agent with `workers` UCX workers over a host pool like the daemon's."""
 
     def __init__(self, name: str, nbytes: int, fill: bool, workers: int) -> None:
-        from kvxferd.transport_nixl import apply_ucx_env_defaults, nixl_api
+        from kvxferd.transports.nixl import apply_ucx_env_defaults, nixl_api
 
         apply_ucx_env_defaults()  # the UCX environment the daemons run with
         api = nixl_api()
-        # The daemon's agent settings (kvxferd.transport_nixl): thread-safe, one UCX worker per poster.
+        # The daemon's agent settings (kvxferd.transports.nixl): thread-safe, one UCX worker per poster.
         self.agent = api.nixl_agent(name, api.nixl_agent_config(
             enable_prog_thread=False, backends=[], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW))
         self.agent.create_backend("UCX", {"num_workers": str(workers)})

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from kvxferd.config import ConfigError, parse_size
-from kvxferd.transport_nixl import apply_ucx_env_defaults
+from kvxferd.transports.nixl import apply_ucx_env_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def pattern_blocks(seed: int, total: int) -> Any:
 def _make_agent(name: str, progress_thread: bool) -> Any:
     # Imported here: the parent only needs NIXL once it starts, and a failed import should be
     # reported as a run failure, not an import error of the module.
-    from kvxferd.transport_nixl import nixl_api
+    from kvxferd.transports.nixl import nixl_api
 
     api = nixl_api()
     agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))

@@ -157,7 +157,7 @@ class RpcBench:
         """Open loop: call i leaves at t0 + i/rate whether or not earlier calls have answered
         (grpc futures), so the offered rate holds even when one call takes longer than 1/rate.
 
-        via="lane": what the client uses when the daemon serves its lane (kvxferd.lane); the calls
+        via="lane": what the client uses when the daemon serves its lane (kvxferd.engine_api.lane); the calls
         are synchronous, so a late one delays the next: latency_from_schedule_us counts that."""
         from kvxfer_client._common import chunk_request
 

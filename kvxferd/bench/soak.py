@@ -260,7 +260,7 @@ def open_fds(pid: int) -> int:
 def daemon_status(socket: str) -> Any:
     import grpc
 
-    from kvxfer_client._pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc
+    from kvxfer_protocol.pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc
 
     with grpc.insecure_channel(f"unix:{socket}") as ch:
         return engine_pb2_grpc.EngineStub(ch).GetStatus(engine_pb2.GetStatusRequest(), timeout=10)

@@ -18,8 +18,8 @@ import grpc
 import pytest
 
 from kvxfer_client import KvxferError, Layout, PrefillSender
-from kvxfer_client._pb.kvxfer.v1 import engine_pb2
 from kvxfer_client._reattach import Detached, Reattach
+from kvxfer_protocol.pb.kvxfer.v1 import engine_pb2
 from tests.faults.harness import wait_until
 
 LAYOUT = Layout(num_layers=2, total_kv_heads=2, head_dim=16, dtype_bytes=2, page_size=16, dtype="float16")

@@ -47,7 +47,7 @@ FAILED = "kvxfer_prefill_failed"
 # The daemons run with their defaults: a stopped daemon's port still accepts connections, so its
 # peer holds it as slow, not lost, through the 20 s stop (slow_peer_limit_s, 30 s), and a daemon
 # resumed from a stop does not count the time away against its engines' leases
-# (kvxferd.peer_heal): the requests in flight complete after it.
+# (kvxferd.peer.heal): the requests in flight complete after it.
 DAEMON_ARGS: tuple[str, ...] = ()
 # recompute: a load that fails is computed by the decode engine itself (vLLM's own path, chosen
 # through the connector's option over vLLM's default "fail"), so every request of a fault must

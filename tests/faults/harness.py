@@ -32,8 +32,8 @@ import grpc
 import numpy as np
 
 from kvxfer_client import DecodeReceiver, KvxferError, Layout, PrefillSender, RoomState
-from kvxfer_client._pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc
-from kvxferd.owned import ephemeral_port_range
+from kvxfer_protocol.pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc
+from kvxferd.ops.owned_files import ephemeral_port_range
 from tests.conftest import ROOT, DaemonProc, daemon_env, wait_ready
 from tests.engine_procs import RoomPlan, part_bytes_for
 
@@ -163,7 +163,7 @@ def inject_transfer_errors(d: DaemonProc, n: int) -> None:
 
 
 def fault_command(d: DaemonProc, command: str) -> None:
-    """Test-only hook (fault_injection=true), one command of kvxferd.faults.fault_control: `N` fails the
+    """Test-only hook (fault_injection=true), one command of kvxferd.ops.faults.fault_control: `N` fails the
     next N NIXL posts; `break S` breaks the pair's NIXL connection (rebuilds fail for S s); `delay S` holds the next WRITE; `stall S` blocks the daemon's event loop (its peers lose it,
     its workers go on posting); `register BYTES` / `release` change the daemon's NIXL metadata as importing
     or releasing a GPU ring does."""

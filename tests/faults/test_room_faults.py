@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from kvxfer_client import DecodeReceiver, PrefillSender, RoomState
-from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from kvxfer_protocol.pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from tests.conftest import DaemonProc
 from tests.faults.harness import (
     HEARTBEAT_S,

@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 import pytest
 
-from kvxfer_client._pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc
+from kvxfer_protocol.pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc
 from tests.conftest import DaemonProc, spawn_daemon
 
 

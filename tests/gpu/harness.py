@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 from kvxfer_client import DecodeReceiver, Layout, PrefillSender, RoomState
-from kvxferd.kernels import KVPages
-from kvxferd.layout import KVLayout, RankHeads, rank_heads
+from kvxfer_client.kernels import KVPages
+from kvxfer_protocol.slot_layout import KVLayout, RankHeads, rank_heads
 
 DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "bfloat16": (torch.bfloat16, 2),

@@ -110,7 +110,7 @@ def test_same_node_device_copy(gpu_daemons: tuple[DaemonProc, DaemonProc], recor
     after = transfer_bytes(pre)
     record(row(res, "local"))
     check(res, pre, pre)
-    # Both rings on one GPU: the metrics path names the link (kvxferd.gpu.LINK_SAME_GPU).
+    # Both rings on one GPU: the metrics path names the link (kvxferd.buffers.gpu_rings.LINK_SAME_GPU).
     assert after.get("local-gpu", 0) - before.get("local-gpu", 0) == case.decode_bytes()
     assert after.get("nixl", 0) == before.get("nixl", 0)
 

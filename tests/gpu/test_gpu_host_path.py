@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from kvxfer_client import Layout, PrefillSender
+from kvxfer_client.kernels import KVPages
 from kvxferd.bench.raw_nixl import run_raw_nixl
-from kvxferd.kernels import KVPages
 from tests.conftest import DaemonProc
 from tests.gpu.conftest import daemon_pair, daemon_status
 from tests.gpu.harness import Case, run_case

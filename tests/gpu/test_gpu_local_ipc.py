@@ -1,6 +1,6 @@
 """Two daemons on one host move VRAM by CUDA IPC (issue #38): the decode daemon passes its reader
 engines' ring handles with the credits, the prefill daemon copies device to device into them and
-notifies over NIXL (kvxferd/local_ipc.py). TP 1->1, 2->2, 4->2 byte for byte on one GPU and across
+notifies over NIXL (kvxferd/transports/local_ipc.py). TP 1->1, 2->2, 4->2 byte for byte on one GPU and across
 two, with the device copy (one GPU) and cudaMemcpyPeer (two GPUs) of the same chunk size measured
 in the same run; every byte goes by path local-ipc, none over NIXL.
 
@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from kvxferd.local_ipc import PATH_IPC
+from kvxferd.transports.local_ipc import PATH_IPC
 from tests.conftest import DaemonProc
 from tests.gpu.conftest import daemon_pair, daemon_status, transfer_bytes, wait_log
 from tests.gpu.harness import Case, run_case

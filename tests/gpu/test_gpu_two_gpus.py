@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from kvxferd.gpu import LINK_PEER, LINK_STAGED
+from kvxferd.buffers.gpu_rings import LINK_PEER, LINK_STAGED
 from tests.conftest import DaemonProc
 from tests.gpu.conftest import daemon_pair, daemon_status, transfer_bytes
 from tests.gpu.harness import Case, CaseResult, run_case

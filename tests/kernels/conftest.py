@@ -1,7 +1,7 @@
 """Kernel tests run compiled on a GPU, or through Triton's interpreter on CPU tensors.
 
 TRITON_INTERPRET must be in the environment before ``triton.jit`` decorates the
-kernels; kvxferd.kernels imports its triton module lazily, so setting it here,
+kernels; kvxfer_client.kernels imports its triton module lazily, so setting it here,
 at conftest import, is early enough.
 """
 

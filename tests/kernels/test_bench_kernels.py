@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from kvxfer_client.kernels import triton_available
 from kvxferd.bench import kernels as bench
-from kvxferd.kernels import triton_available
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed")
 

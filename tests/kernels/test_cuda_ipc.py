@@ -9,8 +9,8 @@ import textwrap
 import pytest
 import torch
 
-from kvxferd import cuda_ipc
-from kvxferd.cuda_ipc import IPC_HANDLE_BYTES, CudaIpcError, CudaIpcHandle, export_tensor, open_handle
+from kvxfer_protocol import cuda_ipc
+from kvxfer_protocol.cuda_ipc import IPC_HANDLE_BYTES, CudaIpcError, CudaIpcHandle, export_tensor, open_handle
 
 UUID = "GPU-0123abcd-4567-89ab-cdef-0123456789ab"
 GOOD = bytes(range(1, IPC_HANDLE_BYTES + 1))
@@ -68,7 +68,7 @@ _CHILD = textwrap.dedent(
     """
     import json, sys
     import torch
-    from kvxferd.cuda_ipc import CudaIpcHandle, open_handle
+    from kvxfer_protocol.cuda_ipc import CudaIpcHandle, open_handle
     msg = json.loads(sys.stdin.read())
     h = CudaIpcHandle(bytes.fromhex(msg["handle"]), msg["uuid"], msg["size"], msg["offset"])
     mem = open_handle(h)

@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvxferd.kernels import (
+from kvxfer_client.kernels import (
     DEFAULT_STAGING_BYTES,
     KVPages,
     TileConfig,
@@ -17,7 +17,7 @@ from kvxferd.kernels import (
     slot_nbytes,
     triton_available,
 )
-from kvxferd.kernels._staged import staged_pieces
+from kvxfer_client.kernels._staged import staged_pieces
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed")
 

@@ -7,7 +7,7 @@ import random
 import time
 from dataclasses import replace
 
-from kvxferd.registry import DaemonRecord, FleetCache, GroupLocation, GroupRecord, PendingGone
+from kvxferd.fleet.registry import DaemonRecord, FleetCache, GroupLocation, GroupRecord, PendingGone
 
 
 def rec(i: int, groups: tuple[tuple[str, str], ...], started: float | None = None) -> DaemonRecord:

@@ -17,8 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvxfer_client import DecodeReceiver, KvxferError, Layout, PrefillSender, RoomFailed, RoomState
 from kvxferd.cli import main as cli
 from kvxferd.config import load_config
-from kvxferd.registry import REGISTRY_HEALTH, DaemonRecord
-from kvxferd.registry_etcd import read_fleet
+from kvxferd.fleet.etcd import read_fleet
+from kvxferd.fleet.registry import REGISTRY_HEALTH, DaemonRecord
 from tests.engine_procs import part_bytes_for
 from tests.registry.conftest import Etcd, free_port, registry_args
 

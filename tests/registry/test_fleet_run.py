@@ -15,11 +15,11 @@ import grpc
 import pytest
 
 from kvxfer_client import DecodeReceiver, RoomState
-from kvxfer_client._pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc
+from kvxfer_protocol.pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc
 from kvxferd.config import load_config
-from kvxferd.metrics import Metrics
-from kvxferd.registry import DaemonRecord
-from kvxferd.registry_etcd import EtcdRegistry
+from kvxferd.fleet.etcd import EtcdRegistry
+from kvxferd.fleet.registry import DaemonRecord
+from kvxferd.ops.metrics import Metrics
 from tests.conftest import wait_ready
 from tests.registry.conftest import Etcd, registry_args
 from tests.registry.test_fleet_e2e import LAYOUT, receive_exact, send_room, sender, wait_for

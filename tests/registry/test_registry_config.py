@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvxferd.config import ConfigError, load_config
-from kvxferd.registry import DaemonRecord, GroupRecord
+from kvxferd.fleet.registry import DaemonRecord, GroupRecord
 
 
 def write(tmp: Path, text: str) -> str:

@@ -15,9 +15,9 @@ from aetcd import rpc
 
 from kvxferd.config import load_config
 from kvxferd.errors import Unavailable
-from kvxferd.metrics import Metrics
-from kvxferd.registry import DaemonRecord, GroupRecord
-from kvxferd.registry_etcd import BACKOFF_MIN_S, HEALTHY_SESSION_S, EtcdRegistry, RegistryUnavailable, read_fleet
+from kvxferd.fleet.etcd import BACKOFF_MIN_S, HEALTHY_SESSION_S, EtcdRegistry, RegistryUnavailable, read_fleet
+from kvxferd.fleet.registry import DaemonRecord, GroupRecord
+from kvxferd.ops.metrics import Metrics
 from tests.registry.conftest import Etcd, Gate, free_port
 
 

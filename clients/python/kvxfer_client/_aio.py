@@ -44,11 +44,11 @@ from kvxfer_client._common import (
     watermark_request,
     wrap_rpc_error,
 )
-from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from kvxfer_client._pinned import check_can_pin, gpu_ring_for
 from kvxfer_client._spare import SpareSlot
 from kvxfer_client._stub import RoutedStub
 from kvxfer_client._verdicts import Verdicts
+from kvxfer_protocol.pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
 
 class _AsyncEngineClient:

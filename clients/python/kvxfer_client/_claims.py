@@ -34,7 +34,7 @@ from typing import Any
 import grpc
 
 from kvxfer_client._common import KvxferError, NotSent, ReplyLost, Slot
-from kvxfer_client._pb.kvxfer.v1 import engine_pb2
+from kvxfer_protocol.pb.kvxfer.v1 import engine_pb2
 
 LOCAL, SENT, HELD, LOST = range(4)
 # Refusals: the daemon checked the chunk and took nothing. Any other failure may have come after

@@ -15,8 +15,8 @@ from typing import Any
 
 import grpc
 
-from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2
 from kvxfer_client._pinned import HostPin
+from kvxfer_protocol.pb.kvxfer.v1 import common_pb2, engine_pb2
 
 # Chunks one EnqueueChunks call may carry (the daemon refuses more with INVALID_ARGUMENT).
 MAX_BATCH_CHUNKS = 4096
@@ -429,7 +429,7 @@ def watermark_request(engine_id: str, room: int, chunk_ids: Iterable[int], gener
 
 def export_ring(ring_tensor: Any) -> dict[str, Any]:
     """CudaIpcRing fields for a contiguous CUDA tensor the engine keeps alive as its staging ring."""
-    from kvxferd.cuda_ipc import export_tensor
+    from kvxfer_protocol.cuda_ipc import export_tensor
 
     h = export_tensor(ring_tensor)
     return {"handle": h.handle, "device_uuid": h.device_uuid, "offset": h.offset, "size": h.size}

@@ -1,4 +1,4 @@
-"""The engine side of the daemon's fast lane (kvxferd/lane.py): the same unary calls and
+"""The engine side of the daemon's fast lane (kvxferd/engine_api/lane.py): the same unary calls and
 messages as gRPC, framed by hand on a Unix socket, at a fraction of the CPU per call.
 
 A client uses the lane when RegisterEngineReply.lane_socket names one; `RoutedStub` sends the
@@ -24,7 +24,7 @@ import grpc
 from google.protobuf.message_factory import GetMessageClass
 
 from kvxfer_client._common import KvxferError, NotSent, ReplyLost
-from kvxfer_client._pb.kvxfer.v1 import engine_pb2
+from kvxfer_protocol.pb.kvxfer.v1 import engine_pb2
 
 REQUEST = struct.Struct("<IIIB")
 REPLY = struct.Struct("<IIB")

@@ -8,7 +8,7 @@ import threading
 from collections.abc import Iterator, Sequence
 
 from kvxfer_client._common import NotSent, Slot
-from kvxfer_client._pb.kvxfer.v1 import engine_pb2
+from kvxfer_protocol.pb.kvxfer.v1 import engine_pb2
 
 
 class SpareSlot:

@@ -36,9 +36,9 @@ from kvxfer_client._common import (
     wrap_rpc_error,
 )
 from kvxfer_client._lane import SyncLane
-from kvxfer_client._pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc
 from kvxfer_client._pinned import check_can_pin, gpu_ring_for
 from kvxfer_client._stub import RoutedStub
+from kvxfer_protocol.pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc
 
 
 class EventStream:

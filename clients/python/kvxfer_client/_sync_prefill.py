@@ -26,10 +26,10 @@ from kvxfer_client._common import (
     retry_full_or_raise,
 )
 from kvxfer_client._lane import SyncLane
-from kvxfer_client._pb.kvxfer.v1 import common_pb2, engine_pb2
 from kvxfer_client._spare import SpareSlot
 from kvxfer_client._sync import _EngineClient
 from kvxfer_client._verdicts import Verdicts
+from kvxfer_protocol.pb.kvxfer.v1 import common_pb2, engine_pb2
 
 
 class PrefillSender(_EngineClient):

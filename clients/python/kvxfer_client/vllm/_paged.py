@@ -15,7 +15,7 @@ ways, so the bytes of a token's K sit in different places:
 strided views over the engine's own memory, so gather and scatter below never depend on the backend.
 
 A kvxferd slot holds one rank's part of a chunk as ``[local_heads, layers, 2, tokens, head_dim]``
-(see ``kvxferd.layout``); that is the layout written and read here.
+(see ``kvxfer_protocol.slot_layout``); that is the layout written and read here.
 """
 
 from __future__ import annotations

@@ -30,7 +30,6 @@ from typing import Any
 import grpc
 
 from kvxfer_client._common import CHANNEL_OPTIONS, target
-from kvxfer_client._pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc
 from kvxfer_client.vllm._config import (
     P_ADDRESS,
     P_DO_REMOTE_DECODE,
@@ -47,6 +46,7 @@ from kvxfer_client.vllm._config import (
     Settings,
     StepPlan,
 )
+from kvxfer_protocol.pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
 

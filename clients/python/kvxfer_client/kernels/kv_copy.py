@@ -1,0 +1,457 @@
+"""Gather paged engine KV into a staging slot, and scatter it back.
+
+Engine side: per layer a K and a V tensor ``[num_slots, local_heads, head_dim]``
+(MLA: one latent tensor per layer, ``[num_slots, 1, width]`` or
+``[num_slots, width]``). Page ``p`` is slots ``[p * page_size, (p + 1) * page_size)``; with ``j = token_offset + i``,
+token ``i`` of a chunk lives in slot ``page_ids[j // page_size] * page_size + j % page_size``:
+a chunk may start in the middle of its first page (chunked prefill cut by a token budget) and
+end in the middle of its last one; only its own tokens are read or written.
+
+Slot side (see docs/contracts.md): ``[heads, layers, planes, tokens, head_dim]``
+contiguous, planes = (K, V) or just the latent. With a head sub-range the slot
+holds only heads ``[head_start, head_start + num_heads)`` of the engine's local heads.
+
+Copies are byte-exact for every dtype: tensors are reinterpreted as integers
+of the widest width that every address and stride allows.
+
+Hot paths should build one :class:`KVPages` per engine and call its
+``gather``/``scatter`` per chunk: validation and the per-layer address table
+are done once. :func:`gather_kv`/:func:`scatter_kv` are one-shot wrappers.
+
+How bytes move, by where the slot lives:
+
+* slot on the KV's GPU (staging ring): one Triton launch, all layers.
+* slot in host memory, GPU KV: by default *staged*: the kernel gathers a few
+  MiB at a time into a small GPU buffer and the copy engine moves it over PCIe
+  on a side stream, double-buffered. SM-driven PCIe traffic (the kernel
+  writing host memory directly) tops out a few percent under the copy engine
+  and occupies SMs for the whole transfer; staging costs 64 MiB of GPU memory
+  and reaches copy-engine speed. ``staging_bytes=0`` selects the direct path.
+* CPU KV: Triton under ``TRITON_INTERPRET=1`` (tests), else the torch reference.
+
+All GPU work is ordered on the caller's current stream: after a call returns,
+work (or an event) enqueued on that stream runs after the copy finished.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+
+from kvxfer_client.kernels._staged import CopyCall, Kind, Stager
+
+logger = logging.getLogger(__name__)
+
+Backend = Literal["auto", "triton", "torch"]
+
+_INT_BY_WIDTH: dict[int, torch.dtype] = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_VEC_BYTES = 16  # widest global load/store a thread can issue
+DEFAULT_STAGING_BYTES = 64 << 20
+
+__all__ = [
+    "DEFAULT_STAGING_BYTES",
+    "Backend",
+    "KVPages",
+    "TileConfig",
+    "default_tile",
+    "slot_nbytes",
+    "slot_shape",
+    "triton_available",
+]
+
+
+def slot_shape(num_heads: int, num_layers: int, planes: int, num_tokens: int, head_dim: int) -> tuple[int, ...]:
+    """Shape of one rank's part of a chunk in a slot, in elements of the KV dtype."""
+    return (num_heads, num_layers, planes, num_tokens, head_dim)
+
+
+def slot_nbytes(
+    num_heads: int, num_layers: int, planes: int, num_tokens: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    return math.prod(slot_shape(num_heads, num_layers, planes, num_tokens, head_dim)) * dtype.itemsize
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Launch shape; exposed so the benchmark can sweep it."""
+
+    target_tile_bytes: int = 16384
+    lp_per_prog: int = 4
+    num_warps: int = 4
+
+
+# From `kvxferd bench kernels` on an H200 (bench/results/kernels-h200.json):
+# device-slot shapes (GPU ring, and the staged host path's kernels) are the
+# sweep's fastest, though all candidates were within ~2%; the direct host path
+# is PCIe-bound and every shape tried measured the same.
+_DEFAULT_TILES: dict[tuple[Kind, bool], TileConfig] = {
+    ("gather", True): TileConfig(),
+    ("scatter", True): TileConfig(),
+    ("gather", False): TileConfig(target_tile_bytes=8192, lp_per_prog=1, num_warps=4),
+    ("scatter", False): TileConfig(target_tile_bytes=16384, lp_per_prog=1, num_warps=4),
+}
+
+
+def default_tile(kind: Kind, slot_on_host: bool) -> TileConfig:
+    return _DEFAULT_TILES[(kind, slot_on_host)]
+
+
+def _as_3d(t: torch.Tensor, what: str) -> torch.Tensor:
+    if t.dim() == 2:
+        return t.unsqueeze(1)
+    if t.dim() != 3:
+        raise ValueError(
+            f"{what} must be [num_slots, heads, head_dim] (or [num_slots, width] for MLA), got {tuple(t.shape)}"
+        )
+    return t
+
+
+def _check_positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _as_int(t: torch.Tensor) -> torch.Tensor:
+    # Same-width integer view: byte-exact and supported by index ops for every dtype (fp8 included).
+    return t.view(_INT_BY_WIDTH[t.element_size()])
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        # Pinned staging makes the upload asynchronous; torch's host allocator
+        # keeps the staging block alive until the copy has run.
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+class KVPages:
+    """An engine's paged KV cache (all layers), validated once, copied many times.
+
+    Args:
+        k_layers: per-layer K ``[num_slots, local_heads, head_dim]`` (or the MLA latent,
+            2-D or with one head). All layers share shape, strides, dtype and device;
+            ``head_dim`` must be contiguous; layers may be separate allocations or views
+            of one buffer.
+        v_layers: per-layer V, same shape as K; ``None`` for MLA (one plane).
+        staging_bytes: GPU buffer for the staged host path (see module doc); 0 disables it.
+    """
+
+    def __init__(
+        self,
+        k_layers: Sequence[torch.Tensor],
+        v_layers: Sequence[torch.Tensor] | None = None,
+        *,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+    ) -> None:
+        if len(k_layers) == 0:
+            raise ValueError("need at least one layer")
+        if v_layers is not None and len(v_layers) != len(k_layers):
+            raise ValueError(f"got {len(k_layers)} K layers but {len(v_layers)} V layers")
+        if staging_bytes < 0:
+            raise ValueError(f"staging_bytes must be >= 0, got {staging_bytes}")
+        tensors: list[torch.Tensor] = []
+        for i, k in enumerate(k_layers):
+            tensors.append(_as_3d(k, f"k_layers[{i}]"))
+            if v_layers is not None:
+                tensors.append(_as_3d(v_layers[i], f"v_layers[{i}]"))
+        ref = tensors[0]
+        for t in tensors[1:]:
+            if t.shape != ref.shape or t.stride() != ref.stride() or t.dtype != ref.dtype or t.device != ref.device:
+                raise ValueError(
+                    "all KV layers must share shape, strides, dtype and device; "
+                    f"got {tuple(t.shape)}/{t.stride()}/{t.dtype}/{t.device} vs "
+                    f"{tuple(ref.shape)}/{ref.stride()}/{ref.dtype}/{ref.device}"
+                )
+        if ref.stride(2) != 1:
+            raise ValueError("KV head_dim must be contiguous (stride 1)")
+        self.planes_t: tuple[torch.Tensor, ...] = tuple(tensors)  # layer-major: k0, v0, k1, v1, ...
+        self.num_layers = len(k_layers)
+        self.planes = 1 if v_layers is None else 2
+        self.num_slots, self.local_heads, self.head_dim = (int(x) for x in ref.shape)
+        self.dtype = ref.dtype
+        self.itemsize = ref.element_size()
+        self.device = ref.device
+        self.row_bytes = self.head_dim * self.itemsize
+        self.stride_s, self.stride_h = ref.stride(0), ref.stride(1)
+        addrs = [t.data_ptr() for t in tensors]
+        self._addrs = addrs
+        # Alignment every launch shares; a call folds in its slot's address.
+        g = 0
+        for q in (self.row_bytes, self.stride_s * self.itemsize, self.stride_h * self.itemsize, addrs[0]):
+            g = math.gcd(g, q)
+        for a in addrs:
+            g = math.gcd(g, a - addrs[0])
+        self._align = g
+        self._tables: dict[int, torch.Tensor] = {}
+        self._staging_bytes = staging_bytes
+        self._stager = Stager(self.device, staging_bytes)
+
+    @property
+    def num_lp(self) -> int:
+        return self.num_layers * self.planes
+
+    def slot_nbytes(self, num_tokens: int, num_heads: int | None = None) -> int:
+        heads = self.local_heads if num_heads is None else num_heads
+        return slot_nbytes(heads, self.num_layers, self.planes, num_tokens, self.head_dim, self.dtype)
+
+    # -- public copies -------------------------------------------------------
+
+    def gather(
+        self,
+        page_ids: torch.Tensor,
+        num_tokens: int,
+        page_size: int,
+        out: torch.Tensor,
+        head_start: int = 0,
+        num_heads: int | None = None,
+        *,
+        token_offset: int = 0,
+        backend: Backend = "auto",
+        tile: TileConfig | None = None,
+    ) -> torch.Tensor:
+        """Copy a chunk's KV from pages into ``out``; see :func:`gather_kv`. Returns ``out``."""
+        call = self._validate(page_ids, num_tokens, token_offset, page_size, out, head_start, num_heads)
+        self._copy("gather", call, backend, tile)
+        return out
+
+    def scatter(
+        self,
+        page_ids: torch.Tensor,
+        num_tokens: int,
+        page_size: int,
+        src: torch.Tensor,
+        head_start: int = 0,
+        num_heads: int | None = None,
+        *,
+        token_offset: int = 0,
+        backend: Backend = "auto",
+        tile: TileConfig | None = None,
+    ) -> None:
+        """Write a slot's tokens into pages; see :func:`scatter_kv`."""
+        call = self._validate(page_ids, num_tokens, token_offset, page_size, src, head_start, num_heads)
+        self._copy("scatter", call, backend, tile)
+
+    # -- internals -----------------------------------------------------------
+
+    def _copy(self, kind: Kind, call: CopyCall, backend: Backend, tile: TileConfig | None) -> None:
+        path = self._choose_path(call, backend)
+        if path != "torch":
+            # Upload host-side ids once, not once per staged chunk.
+            call = replace(call, page_ids=_to_device(call.page_ids, self.device))
+        if path == "torch":
+            self._copy_torch(kind, call)
+        elif path == "staged":
+            self._stager.run(kind, call, self.row_bytes, functools.partial(self._launch_staged, tile))
+        else:
+            self._launch(kind, call, tile)
+
+    def _validate(
+        self,
+        page_ids: torch.Tensor,
+        num_tokens: int,
+        token_offset: int,
+        page_size: int,
+        slot: torch.Tensor,
+        head_start: int,
+        num_heads: int | None,
+    ) -> CopyCall:
+        _check_positive("num_tokens", num_tokens)
+        _check_positive("page_size", page_size)
+        if not isinstance(token_offset, int) or isinstance(token_offset, bool) or not 0 <= token_offset < page_size:
+            raise ValueError(f"token_offset must be an int in [0, {page_size}), got {token_offset!r}")
+        if num_heads is None:
+            num_heads = self.local_heads - head_start
+        if not (head_start >= 0 and num_heads > 0 and head_start + num_heads <= self.local_heads):
+            raise ValueError(
+                f"head range [{head_start}, {head_start + num_heads}) outside the {self.local_heads} local heads"
+            )
+        if page_ids.dim() != 1 or page_ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"page_ids must be a 1-D int32/int64 tensor, got {page_ids.dtype} {tuple(page_ids.shape)}")
+        needed_pages = -(-(token_offset + num_tokens) // page_size)
+        if page_ids.numel() < needed_pages:
+            raise ValueError(
+                f"{num_tokens} tokens from offset {token_offset} need {needed_pages} pages of {page_size}, "
+                f"got {page_ids.numel()} page ids"
+            )
+        page_ids = page_ids[:needed_pages]
+        num_pages_total = self.num_slots // page_size
+        # Bounds are checked only for host-side ids: checking device ids would stall the
+        # caller's stream on every chunk.
+        if page_ids.device.type == "cpu" and (int(page_ids.min()) < 0 or int(page_ids.max()) >= num_pages_total):
+            raise ValueError(
+                f"page ids must be in [0, {num_pages_total}) for {self.num_slots} slots of page size {page_size}"
+            )
+        if not slot.is_contiguous():
+            raise ValueError("slot tensor must be contiguous")
+        expect = self.slot_nbytes(num_tokens, num_heads)
+        got = slot.numel() * slot.element_size()
+        if got != expect:
+            raise ValueError(
+                f"slot holds {got} bytes but [{num_heads}, {self.num_layers}, {self.planes}, {num_tokens}, "
+                f"{self.head_dim}] x {self.itemsize} B needs {expect}"
+            )
+        return CopyCall(
+            page_ids=page_ids,
+            num_tokens=num_tokens,
+            token_offset=token_offset,
+            page_size=page_size,
+            head_start=head_start,
+            num_heads=num_heads,
+            lp_begin=0,
+            num_lp=self.num_lp,
+            slot=slot.reshape(-1),
+        )
+
+    def _choose_path(self, call: CopyCall, backend: Backend) -> Literal["triton", "staged", "torch"]:
+        slot_dev = call.slot.device
+        if backend == "torch":
+            return "torch"
+        path: Literal["triton", "staged"] | None = None
+        if not triton_available():
+            path = None
+        elif self.device.type == "cuda" and not _interpreting():
+            if slot_dev == self.device:
+                path = "triton"
+            elif slot_dev.type == "cpu":
+                if self._staging_bytes and self._plane_bytes(call) <= self._staging_bytes // 2:
+                    path = "staged"
+                elif call.slot.is_pinned():
+                    # A GPU kernel reaches host memory only if it is pinned (mapped into the UVA space).
+                    path = "triton"
+        elif self.device.type == "cpu" and slot_dev.type == "cpu" and _interpreting():
+            path = "triton"
+        if path is not None:
+            return path
+        if backend == "triton":
+            raise ValueError(
+                f"triton backend cannot copy between KV on {self.device} and a slot on {slot_dev}"
+                f"{' (pageable host memory, no staging)' if slot_dev.type == 'cpu' else ''}"
+                f"{'' if triton_available() else '; triton is not installed'}"
+            )
+        logger.debug("kv copy falls back to torch (kv on %s, slot on %s)", self.device, slot_dev)
+        return "torch"
+
+    def _plane_bytes(self, call: CopyCall) -> int:
+        return call.num_tokens * self.row_bytes
+
+    def _launch_staged(self, tile: TileConfig | None, kind: Kind, call: CopyCall) -> None:
+        self._launch(kind, call, tile or default_tile(kind, False))
+
+    # torch reference ----------------------------------------------------------
+
+    def _slot_view(self, call: CopyCall) -> torch.Tensor:
+        shape = (call.num_heads, call.num_lp, call.num_tokens, self.head_dim)
+        return _as_int(call.slot.view(torch.uint8).view(self.dtype)).view(shape)
+
+    def _token_slots(self, call: CopyCall) -> torch.Tensor:
+        pos = torch.arange(call.num_tokens, device=self.device) + call.token_offset
+        pages = call.page_ids.to(device=self.device, dtype=torch.int64)
+        return pages[pos // call.page_size] * call.page_size + pos % call.page_size
+
+    def _copy_torch(self, kind: Kind, call: CopyCall) -> None:
+        slots = self._token_slots(call)
+        view = self._slot_view(call)
+        src = view if kind == "gather" else view.to(self.device)
+        hs = slice(call.head_start, call.head_start + call.num_heads)
+        whole = call.head_start == 0 and call.num_heads == self.local_heads
+        for i in range(call.num_lp):
+            plane = _as_int(self.planes_t[call.lp_begin + i])
+            if kind == "gather":
+                view[:, i].copy_(plane[slots][:, hs, :].transpose(0, 1))  # [tokens, heads, D] -> [heads, ...]
+            elif whole:
+                plane.index_copy_(0, slots, src[:, i].transpose(0, 1).contiguous())
+            else:
+                # index_put on a head-sliced view keeps untouched heads intact.
+                plane[slots, hs] = src[:, i].transpose(0, 1)
+
+    # triton -------------------------------------------------------------------
+
+    def _table(self, step: int) -> torch.Tensor:
+        """Per layer-plane offsets from the first plane, in ``step``-byte vectors, on the KV device.
+
+        Built once per vector width: a blocking upload per chunk would stall the
+        caller until its stream drained.
+        """
+        table = self._tables.get(step)
+        if table is None:
+            offs = torch.tensor([(a - self._addrs[0]) // step for a in self._addrs], dtype=torch.int64)
+            table = _to_device(offs, self.device)
+            self._tables[step] = table
+        return table
+
+    def _launch(self, kind: Kind, call: CopyCall, tile: TileConfig | None) -> None:
+        from kvxfer_client.kernels import _triton_kv
+
+        if tile is None:
+            tile = default_tile(kind, call.slot.device.type == "cpu")
+        g = math.gcd(self._align, call.slot.data_ptr())
+        align = g & -g  # largest power of two dividing every address and stride
+        width = min(8, align)
+        vec = max(1, min(_VEC_BYTES, align) // width)
+        step = width * vec
+        idt = _INT_BY_WIDTH[width]
+        row = self.row_bytes // width
+        block_d = _next_pow2(row)
+        row_bytes_padded = block_d * width
+        block_h = min(_next_pow2(call.num_heads), max(1, tile.target_tile_bytes // row_bytes_padded))
+        block_tok = max(1, tile.target_tile_bytes // (row_bytes_padded * block_h))
+        block_tok = min(_next_pow2(block_tok), _next_pow2(call.num_tokens))
+        lp_per_prog = max(1, min(tile.lp_per_prog, call.num_lp))
+        grid = (
+            -(-call.num_tokens // block_tok),
+            -(-call.num_lp // lp_per_prog),
+            -(-call.num_heads // block_h),
+        )
+        slot_lp_stride = call.num_tokens * row
+        args = (
+            self.planes_t[0].view(torch.uint8).view(idt),
+            self._table(step),
+            _to_device(call.page_ids, self.device),
+            call.slot.view(torch.uint8).view(idt),
+            call.num_tokens,
+            call.token_offset,
+            call.num_heads,
+            call.head_start,
+            call.lp_begin,
+            call.num_lp,
+            self.stride_s * self.itemsize // step,
+            self.stride_h * self.itemsize // step,
+            call.num_lp * slot_lp_stride // vec,
+            slot_lp_stride // vec,
+        )
+        constexprs = {
+            "PAGE_SIZE": call.page_size,
+            "ROW": row,
+            "BLOCK_D": block_d,
+            "VEC": vec,
+            "BLOCK_TOK": block_tok,
+            "BLOCK_H": block_h,
+            "LP_PER_PROG": lp_per_prog,
+        }
+        _triton_kv.launch(kind == "gather", grid, args, constexprs, tile.num_warps)

@@ -1,0 +1,164 @@
+"""NIXL notifications: the one message that travels with the bytes.
+
+A WRITE's notification is delivered to the decode daemon after the bytes, so it is what turns
+"bytes may be there" into "chunk c of room r landed at this range". It names the credit and the
+offset inside it, so the decode side can check the range against what it granted this peer, and
+the room's token: a secret the decode daemon drew for the room and sent to its writer alone (in
+the Bootstrap), so that a notification counts only from the writer whatever agent name its
+sender states, zero-copy rooms (no credit) included.
+One WRITE may carry several parts of a chunk (one per reader on the same daemon): its
+notification then lists them all, separated by ";", and each is checked on its own.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import secrets
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+from kvxferd.core.peer_port import Link
+from kvxferd.core.types import ChunkSpec, RoomKey
+from kvxferd.ops.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+NOTIF_PREFIX = b"kvx3"  # kvx2 had no token: a daemon that sends it is refused at Bootstrap already
+PART_SEP = b";"
+# More parts than any TP degree gives one chunk on one daemon: a longer list is malformed.
+MAX_PARTS = 1024
+# Zero-copy chunks land in the reader's own pages, not in a credit.
+NO_CREDIT = 0
+# Why a notification did not count (kvxferd_notifs_dropped{reason}): a fixed set, never a caller's word.
+DROP_REASONS = ("malformed", "sender", "token", "stale", "range", "credit", "held", "writer")
+# A room's token: 128 random bits, as many as a guess must match (a wrong one is dropped, counted).
+TOKEN_BYTES = 16
+# A flood of forged notifications costs one warning line per this many seconds.
+LOG_EVERY_S = 1.0
+
+
+@dataclass(frozen=True)
+class Notif:
+    room: RoomKey
+    chunk_id: int
+    writer: int
+    reader: int
+    token_start: int
+    num_tokens: int
+    last: bool
+    credit_id: int = NO_CREDIT
+    offset: int = 0
+    token: bytes = b""
+
+
+def new_token() -> bytes:
+    """A room's notification token (drawn by the decode daemon, one per room and generation)."""
+    return secrets.token_bytes(TOKEN_BYTES)
+
+
+def encode_notif(key: RoomKey, spec: ChunkSpec, writer: int, reader: int, credit_id: int = NO_CREDIT,
+                 offset: int = 0, *, token: bytes) -> bytes:
+    """`token`: the room's, from its Bootstrap."""
+    return b"%s %d %d %d %d %d %d %d %d %d %d %s" % (
+        NOTIF_PREFIX, key.id, key.generation, spec.chunk_id, writer, reader, spec.token_start, spec.num_tokens,
+        int(spec.last), credit_id, offset, token.hex().encode(),
+    )
+
+
+def decode_notif(msg: bytes) -> Notif | None:
+    parts = msg.split()
+    if len(parts) != 12 or parts[0] != NOTIF_PREFIX or len(parts[11]) != 2 * TOKEN_BYTES:
+        return None
+    try:
+        rid, gen, chunk, writer, reader, tstart, ntok, last, credit, offset = (int(p) for p in parts[1:11])
+        token = bytes.fromhex(parts[11].decode("ascii"))
+    except ValueError:
+        return None
+    if min(rid, gen, chunk, writer, reader, tstart, ntok, credit, offset) < 0:
+        return None
+    return Notif(RoomKey(rid, gen), chunk, writer, reader, tstart, ntok, bool(last), credit, offset, token)
+
+
+def join_notifs(parts: list[bytes]) -> bytes:
+    """One notification for a WRITE that carries several parts (see decode_notifs)."""
+    return PART_SEP.join(parts)
+
+
+def decode_notifs(msg: bytes) -> list[Notif] | None:
+    """Every part a notification names; None when any part is malformed (then none counts)."""
+    pieces = msg.split(PART_SEP)
+    if len(pieces) > MAX_PARTS:
+        return None
+    out = []
+    for piece in pieces:
+        n = decode_notif(piece)
+        if n is None:
+            return None
+        out.append(n)
+    return out
+
+
+def sent_by_writer(peer: Link | None, agent: str | None) -> bool:
+    """Whether a notification came from the daemon that writes its room (`agent`: the NIXL agent
+    it came from; None for the hand-off between engines of this daemon, which never crosses NIXL).
+
+    NIXL keys notifications by an agent name the sender states itself (UCX does not vouch for it),
+    so this stops a peer naming others' rooms under its own agent; one that also claims the
+    writer's agent name lands nothing: it does not hold the room's token (from_writers), nor the
+    writer's credits (random ids, sent to their holder only). O(1) per part on the chunk path."""
+    if peer is None:
+        return False
+    if agent is None:
+        return peer.is_self
+    return bool(agent) and not peer.is_self and agent == peer.agent_name
+
+
+def from_writers(notifs: Iterable[tuple[str, bytes]], local: bool,
+                 writer_of: Callable[[RoomKey], tuple[Link | None, bytes] | Literal[False]],
+                 drops: NotifDrops) -> Iterator[Notif]:
+    """Each part, of each (sending agent, message), that the writer of its room sent; the rest are
+    counted and dropped. Checked before anything else (the early queue too). `writer_of`: the
+    daemon a room bootstrapped with (None: none yet) and the room's token, False for a room
+    unknown or ended. The token is compared in constant time: a guess learns nothing of how
+    close it came."""
+    for agent, msg in notifs:
+        parts = decode_notifs(msg)
+        if parts is None:
+            drops.drop("malformed", None, f"from agent {agent[:100]!r}: {msg[:64]!r}")
+            continue
+        for n in parts:
+            writer = writer_of(n.room)
+            if writer is False:
+                drops.drop("stale", n.room, "room unknown or ended", quiet=True)
+            elif not sent_by_writer(writer[0], None if local else agent):
+                drops.drop("sender", n.room, f"agent {agent[:100]!r} does not write this room")
+            elif not hmac.compare_digest(n.token, writer[1]):
+                drops.drop("token", n.room, f"agent {agent[:100]!r} does not hold the room's token")
+            else:
+                yield n
+
+
+class NotifDrops:
+    """Counts notifications that changed nothing, by reason, and logs them rate-limited."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._count = {r: metrics.notifs_dropped.labels(reason=r) for r in DROP_REASONS}
+        self._log_at = 0.0
+        self._unlogged = 0
+
+    def drop(self, reason: str, room: RoomKey | None, detail: str, quiet: bool = False) -> None:
+        """`quiet`: an expected straggler (a WRITE's notification after its room ended): debug only."""
+        self._count[reason].inc()
+        if quiet:
+            logger.debug("room %s: notification dropped (%s): %s", room, reason, detail)
+            return
+        now = time.monotonic()
+        if now < self._log_at:
+            self._unlogged += 1
+            return
+        more = f" ({self._unlogged} more dropped since the last line)" if self._unlogged else ""
+        logger.warning("room %s: notification dropped (%s): %s%s", room or "?", reason, detail[:300], more)
+        self._log_at, self._unlogged = now + LOG_EVERY_S, 0

@@ -1,0 +1,1 @@
+"""The data mover: the Transport interface and its NIXL implementation."""
