@@ -648,7 +648,7 @@ def run(spec: Spec, daemons: OwnDaemons | None = None) -> dict[str, Any]:
     fork = not spec.device.startswith("cuda")
     if fork:
         # Forked ranks inherit these imports instead of paying for them once each.
-        import kvxfer_client  # noqa: F401
+        import kvxfer_client
         import kvxfer_client.kernels
 
         if kvxfer_client.kernels.triton_available() and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):

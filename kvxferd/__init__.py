@@ -1,3 +1,5 @@
 """kvxferd: a per-node daemon that moves LLM KV caches from prefill to decode engines."""
 
-__version__ = "0.1.0"
+from kvxfer_protocol.version import PACKAGE_VERSION as __version__
+
+__all__ = ["__version__"]

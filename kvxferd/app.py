@@ -30,6 +30,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
+from kvxfer_protocol.lane_frames import LANE_SUFFIX
 from kvxfer_protocol.pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
 from kvxferd import __version__
 from kvxferd.buffers.host_pool import POOL_SUFFIX, HostPool
@@ -40,7 +41,7 @@ from kvxferd.core.peer_port import Identity
 from kvxferd.core.types import FailureCode
 from kvxferd.datapath.notif import join_notifs
 from kvxferd.datapath.workers import WorkerPool
-from kvxferd.engine_api.lane import LANE_SUFFIX, LaneServer
+from kvxferd.engine_api.lane import LaneServer
 from kvxferd.engine_api.pool_socket import PoolSocket
 from kvxferd.engine_api.servicer import EngineServicer, wrap_servicer
 from kvxferd.fleet.etcd import RegistryUnavailable, make_registry

@@ -19,6 +19,7 @@ import grpc
 
 from kvxfer_client import DecodeReceiver, Layout, PrefillSender
 from kvxfer_protocol.pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
+from kvxfer_protocol.version import PROTOCOL_VERSION
 from kvxferd.config import load_config
 from kvxferd.core.types import DaemonRef
 from kvxferd.ops.metrics import Metrics
@@ -131,13 +132,14 @@ class Client:
         return Challenge(c.instance_id, bytes(c.nonce))
 
     def request(self, ref: DaemonRef, agent: str, md: bytes, key: bytes | None = None,
-                proof: Proof | None = None, challenge: Challenge | None = None) -> peer_pb2.HandshakeRequest:
+                proof: Proof | None = None, challenge: Challenge | None = None,
+                version: str = PROTOCOL_VERSION) -> peer_pb2.HandshakeRequest:
         """A HandshakeRequest; with `key`, its proof covers `challenge` (a fresh one if None)."""
         if proof is None and key is not None:
             proof = self.auth.request_proof(ref, agent, md, key, challenge or self.challenge())
         return peer_pb2.HandshakeRequest(
             sender=peer_pb2.DaemonRef(daemon_id=ref.daemon_id, instance_id=ref.instance_id, address=ref.address),
-            agent_name=agent, nixl_metadata=md, version="test", proof=proof_pb(proof))
+            agent_name=agent, nixl_metadata=md, version=version, proof=proof_pb(proof))
 
     def handshake(self, ref: DaemonRef, agent: str, md: bytes) -> tuple[peer_pb2.HandshakeReply, Binding]:
         """A real handshake; the reply's proof is checked as a daemon would."""

@@ -36,6 +36,7 @@ from hypothesis import strategies as st
 
 from kvxfer_client._common import receive_pool, registration
 from kvxfer_protocol.pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
+from kvxfer_protocol.version import PROTOCOL_VERSION
 from kvxferd.app import Ready, serve
 from kvxferd.config import load_config
 
@@ -127,7 +128,7 @@ class FakePeer(peer_pb2_grpc.PeerServicer):
 
     def Handshake(self, request: Any, context: Any) -> peer_pb2.HandshakeReply:
         return peer_pb2.HandshakeReply(sender=self.ref, agent_name=self.transport.name,
-                                       nixl_metadata=self.transport.metadata(), version="fuzz")
+                                       nixl_metadata=self.transport.metadata(), version=PROTOCOL_VERSION)
 
     def Session(self, request_iterator: Any, context: Any) -> Iterator[peer_pb2.PeerBatch]:
         # Reads (and drops) what the daemon sends; a keep-alive batch every 0.3 s keeps it up.
@@ -223,7 +224,7 @@ def world() -> Iterator[World]:
         os.close(fd)
     # The fuzz peer handshakes for real: Peer RPCs from it pass the sender checks.
     reply = peer_stub.Handshake(peer_pb2.HandshakeRequest(
-        sender=peer.ref, agent_name=peer.transport.name, nixl_metadata=peer.transport.metadata(), version="fuzz",
+        sender=peer.ref, agent_name=peer.transport.name, nixl_metadata=peer.transport.metadata(), version=PROTOCOL_VERSION,
     ), timeout=10)
     w = World(daemon, peer, engine, peer_stub, engines, pool, daemon.info.peer_address, reply.sender)
     paint(w)
@@ -612,7 +613,7 @@ def run_peer_op(w: World, o: Op) -> None:
         md = {"VALID": w.peer.transport.metadata(), "VALID_TAIL": w.peer.transport.metadata() + b"\0tail",
               "EMPTY": b""}.get(f["md"], f["md"]) if isinstance(f["md"], str) else f["md"]
         code = code_of(lambda: p.Handshake(peer_pb2.HandshakeRequest(
-            agent_name=f["agent"], nixl_metadata=md, version="fuzz", **kw), timeout=T))
+            agent_name=f["agent"], nixl_metadata=md, version=PROTOCOL_VERSION, **kw), timeout=T))
         note(w, name, code)
         if f["address"] not in ("OWN", "PEER", "127.0.0.1:1", "127.0.0.1:0", "[::1]:1"):
             assert code != grpc.StatusCode.OK, f"handshake from address {f['address']!r} accepted"
@@ -718,7 +719,7 @@ def test_after_the_fuzz_nothing_leaked_nothing_written(world: World) -> None:
     # their quarantine, inside the wait below.)
     code_of(lambda: w.peer_stub.Handshake(peer_pb2.HandshakeRequest(
         sender=w.peer.ref, agent_name=w.peer.transport.name, nixl_metadata=w.peer.transport.metadata(),
-        version="fuzz"), timeout=T))
+        version=PROTOCOL_VERSION), timeout=T))
     hello = peer_pb2.PeerMsg(hello=peer_pb2.Hello(sender=w.peer.ref, peer_instance_id=w.own_ref.instance_id))
     give_back = peer_pb2.PeerMsg(credit_return=peer_pb2.CreditReturn(ids=list(range(1, 20_000))))
     code_of(lambda: list(w.peer_stub.Session(iter([peer_pb2.PeerBatch(msgs=[hello, give_back])]), timeout=T)))

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from kvxfer_client import DecodeReceiver, KvxferError, Layout, PrefillSender
-from kvxfer_client._lane import REPLY, REQUEST
+from kvxfer_protocol.lane_frames import REPLY, REQUEST
 from kvxfer_protocol.pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from kvxferd.buffers.hugepool import Unavailable, private_huge_file
 
@@ -251,8 +251,9 @@ def test_a_large_batched_enqueue_is_pipelined_on_the_lane_and_answers_per_chunk(
     chunks (over gRPC, one call); either way each chunk gets its own answer at its own index, in
     order, and the daemon holds exactly the accepted chunks."""
     from kvxfer_client import Chunk
-    from kvxfer_client._common import MAX_BATCH_CHUNKS, PIPELINE_PART
+    from kvxfer_client._common import PIPELINE_PART
     from kvxfer_client._lane import SyncLane
+    from kvxfer_protocol.limits import MAX_BATCH_CHUNKS
 
     d = daemons("batch", "--set", f"engine_lane={str(lane).lower()}")
     calls: list[int] = []

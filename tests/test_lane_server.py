@@ -6,15 +6,15 @@ connection cancelling a call where it waits."""
 from __future__ import annotations
 
 import asyncio
-import struct
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
 
+from kvxfer_protocol.lane_frames import REPLY, REQUEST, reply_frame
 from kvxfer_protocol.pb.kvxfer.v1 import common_pb2
-from kvxferd.engine_api.lane import REPLY, REQUEST, LaneContext, LaneServer
+from kvxferd.engine_api.lane import LaneContext, LaneServer
 
 
 class Handlers:
@@ -127,10 +127,17 @@ async def test_a_dropped_connection_cancels_a_call_where_it_waits(lane: tuple[st
     assert not h.gate.done() or h.gate.cancelled()
 
 
-def test_frames_match_the_clients() -> None:
-    # The test speaks the client's framing; both sides must agree on it.
-    from kvxfer_client._lane import REPLY as CREPLY
-    from kvxfer_client._lane import REQUEST as CREQUEST
+def test_client_frames_are_what_the_server_parses() -> None:
+    # One definition (kvxfer_protocol.lane_frames) for both sides: a request the client frames is
+    # what the server unpacks, a reply the server frames is what the client takes.
+    from kvxfer_client._lane import _frame, _take_frame
 
-    assert (REQUEST.format, REPLY.format) == (CREQUEST.format, CREPLY.format)
-    assert isinstance(REQUEST, struct.Struct)
+    body = common_pb2.RoomKey(id=7, generation=2)
+    frame = _frame("PollRoom", 9, 1.5, body)
+    length, call_id, ms, name_len = REQUEST.unpack_from(frame)
+    start = REQUEST.size + name_len
+    assert (length, call_id, ms) == (len(frame) - REQUEST.size, 9, 1500)
+    assert frame[REQUEST.size:start] == b"PollRoom" and frame[start:] == body.SerializeToString()
+    buf = bytearray(reply_frame(9, 5, b"gone") + b"next")
+    assert _take_frame(buf) == (9, 5, b"gone")
+    assert buf == b"next"

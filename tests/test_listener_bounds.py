@@ -26,10 +26,10 @@ import grpc
 import pytest
 
 from kvxfer_client import PrefillSender
+from kvxfer_protocol.lane_frames import LANE_SUFFIX, REPLY, REQUEST
 from kvxfer_protocol.pb.kvxfer.v1 import peer_pb2_grpc
 from kvxferd.addresses import call_source
 from kvxferd.config import Config
-from kvxferd.engine_api.lane import LANE_SUFFIX, REPLY, REQUEST
 from kvxferd.ops.listener_bounds import RefusalLog
 from kvxferd.ops.metrics import Metrics
 from kvxferd.peer.call_caps import PeerCallGuard

@@ -27,6 +27,7 @@ import pytest
 
 from kvxfer_client import DecodeReceiver, RoomFailed
 from kvxfer_protocol.pb.kvxfer.v1 import peer_pb2, peer_pb2_grpc
+from kvxfer_protocol.version import PROTOCOL_VERSION, parse_protocol
 from kvxferd.config import Config, ConfigError, load_config
 from kvxferd.core.types import DaemonRef
 from kvxferd.peer import host_secret
@@ -264,6 +265,28 @@ def test_handshake_proofs_are_checked_both_ways_and_bind_the_session(fleet: Flee
     finally:
         c.close()
         wrong.close()
+
+
+def test_handshakes_refuse_another_protocol_major_and_name_both_versions(fleet: Fleet, agent: Any,
+                                                                         tmp_path: Path) -> None:
+    sb = fleet.d["sb"]
+    c = Client(sb, fleet.secret, tmp_path)
+    md, key = agent.metadata(), c.auth.signing_keys()[0]
+    me = DaemonRef("hs-version", "inst-1", "127.0.0.1:9")
+    ours = parse_protocol(PROTOCOL_VERSION)
+    assert ours is not None
+    try:
+        for theirs in (f"{ours[0] + 1}.0", f"{ours[0] + 1}.{ours[1]}.3", "", "v-next"):
+            code, why = code_of(lambda v=theirs: c.stub.Handshake(c.request(me, agent.name, md, key, version=v),
+                                                                   timeout=10))
+            assert code == grpc.StatusCode.FAILED_PRECONDITION, (theirs, code, why)
+            assert PROTOCOL_VERSION in why and theirs in why, (theirs, why)
+        assert "hs-version" not in {p.daemon_id for p in status(sb).peers}
+        # A newer MINOR of the same MAJOR works; the reply names the responder's own version.
+        reply = c.stub.Handshake(c.request(me, agent.name, md, key, version=f"{ours[0]}.{ours[1] + 1}"), timeout=10)
+        assert reply.version == PROTOCOL_VERSION and reply.sender.daemon_id
+    finally:
+        c.close()
 
 
 def test_secret_rotation_accepts_the_previous_secret_for_the_overlap(fleet: Fleet, agent: Any, tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ from kvxferd.core.types import FailureCode, Role, RoomKey, RoomState, ZeroCopyTa
 from kvxferd.datapath.credits import CreditLedger
 from kvxferd.datapath.fence import PageFence
 from kvxferd.datapath.notif import NO_CREDIT, Notif, NotifDrops, from_writers
-from kvxferd.datapath.sender import MAX_CHUNK_ID, layouts_compatible
+from kvxferd.datapath.sender import MAX_AUX_BYTES, MAX_CHUNK_ID, layouts_compatible
 from kvxferd.errors import AlreadyExists, FailedPrecondition, InvalidArgument, KvxferError, NotFound, PermissionDenied
 from kvxferd.fleet.registry import NoRegistry, Registry
 from kvxferd.ops.metrics import Metrics
@@ -346,8 +346,8 @@ class RecvSide:
             raise NotFound(f"room {key}: no reader {reader}")
         if not 1 <= num_chunks <= MAX_CHUNK_ID:
             raise InvalidArgument(f"num_chunks {num_chunks} out of range")
-        if len(aux) > 64 << 10:
-            raise InvalidArgument("aux over 64 KiB")
+        if len(aux) > MAX_AUX_BYTES:
+            raise InvalidArgument(f"aux over {MAX_AUX_BYTES} bytes")
         if any(c >= num_chunks for c in rs.slots):
             self.fail(room, FailureCode.MISMATCH, "more chunks arrived than the prefill side reports")
             raise FailedPrecondition(f"room {key}: chunk count mismatch")

@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from kvxfer_protocol.limits import MAX_AUX_BYTES, MAX_CHUNK_ID
 from kvxfer_protocol.slot_layout import KVLayout, plan, rank_heads
 from kvxferd.config import Config
 from kvxferd.core.caps import MAX_GROUP, ROOMS_PER_ENGINE, ROOMS_PER_PEER, TOMBSTONES
@@ -25,8 +26,6 @@ from kvxferd.ops.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 
-MAX_CHUNK_ID = 1 << 20
-MAX_AUX_BYTES = 64 << 10
 MAX_REASON = 1024
 TOMBSTONE_TTL_S = 60.0
 

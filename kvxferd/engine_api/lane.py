@@ -9,13 +9,8 @@ Only the transport differs: every call is served by the same EngineServicer meth
 validation, same error mapping, same metrics), so the lane can never accept what gRPC refuses.
 Engines find it in RegisterEngineReply.lane_socket and fall back to gRPC when it is absent.
 
-Frames (little-endian). Request: payload length u32, call id u32, timeout ms u32 (0 = none),
-method name length u8, then the method name and the serialized request. Reply: payload length
-u32, call id u32, status code u8 (gRPC's numbering), then the serialized reply (code 0) or the
-error message in UTF-8. A connection may have many calls outstanding; replies carry their id.
-
-Server streams (WatchRooms): each message is a reply frame with status STREAM_MORE; the stream
-ends with an ordinary reply frame (code 0 and no payload, or an error). A landed chunk costs the
+The frame format is kvxfer_protocol.lane_frames (the client frames with the same definitions).
+Server streams (WatchRooms) go as reply frames with status STREAM_MORE: a landed chunk costs the
 daemon one frame instead of a gRPC stream message, and the engine one read (measured on the
 2-core VM: the gRPC message was most of both sides' CPU per chunk after the calls themselves).
 
@@ -32,22 +27,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from typing import Any
 
 import grpc
 
+from kvxfer_protocol.lane_frames import REQUEST, STREAM_MORE, reply_frame
 from kvxferd.ops.listener_bounds import RefusalLog
 from kvxferd.ops.owned_files import bind_unix_socket
 
 logger = logging.getLogger(__name__)
 
-LANE_SUFFIX = ".lane"
-REQUEST = struct.Struct("<IIIB")
-REPLY = struct.Struct("<IIB")
-STREAM_MORE = 0xFF
 MAX_CALLS_PER_CONNECTION = 1024
 # Work one connection may do in one loop turn: a client that pipelines hundreds of calls (each
 # GetStatus costs milliseconds) gets the rest served in later turns, reading paused meanwhile, so
@@ -318,7 +309,7 @@ class _LaneConnection(asyncio.Protocol):
             return
         if not self._out:
             asyncio.get_running_loop().call_soon(self._flush)
-        self._out.append(REPLY.pack(len(payload), call_id, code) + payload)
+        self._out.append(reply_frame(call_id, code, payload))
 
     def _flush(self) -> None:
         out, self._out = self._out, []

@@ -17,7 +17,8 @@ from typing import Any
 import grpc
 from google.protobuf.message_factory import GetMessageClass
 
-from kvxfer_client._common import MAX_BATCH_CHUNKS
+from kvxfer_protocol.lane_frames import LANE_SUFFIX
+from kvxfer_protocol.limits import MAX_BATCH_CHUNKS
 from kvxfer_protocol.pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from kvxferd import errors
 from kvxferd.buffers.gpu_rings import gpu_data_path, gpu_links
@@ -27,7 +28,6 @@ from kvxferd.core.engines import Engine, Ring
 from kvxferd.core.node import Node
 from kvxferd.core.pb_convert import chunk_spec, engine_spec, room_event_pb, room_key, room_status_pb, watermark_pb
 from kvxferd.core.types import Role, SlotRef
-from kvxferd.engine_api.lane import LANE_SUFFIX
 from kvxferd.engine_api.pending_registrations import FIRST_WAIT_S, POLL_WAIT_S, PendingRegistrations
 from kvxferd.ops.metrics import Metrics
 from kvxferd.peer.caps import PeerStatus

@@ -26,12 +26,13 @@ from typing import Any
 import grpc
 
 from kvxfer_protocol.pb.kvxfer.v1 import common_pb2, peer_pb2, peer_pb2_grpc
+from kvxfer_protocol.version import protocol_mismatch
 from kvxferd.config import PEER_BATCH_MSGS, Config
 from kvxferd.core.pb_convert import layout_pb, room_key_pb, zero_copy_target_pb
 from kvxferd.core.peer_port import BootstrapAnswer, BootstrapMsg, CreditSpec
 from kvxferd.core.types import FailureCode, RoomKey
 from kvxferd.datapath.credits import CreditWindow
-from kvxferd.errors import AlreadyExists, KvxferError, Unavailable
+from kvxferd.errors import AlreadyExists, FailedPrecondition, KvxferError, Unavailable
 from kvxferd.ops.metrics import Metrics
 from kvxferd.peer.auth import Binding, PeerAuth, PeerCreds, Proof
 from kvxferd.peer.wire import WireStream, dial
@@ -222,6 +223,11 @@ class PeerLink:
             wire.abort()
             raise
         return wire
+
+    def check_protocol(self, theirs: str, daemon_id: str) -> None:
+        """Refuses the daemon that answered our handshake if it speaks another protocol MAJOR."""
+        if mismatch := protocol_mismatch(theirs):
+            raise FailedPrecondition(f"daemon {daemon_id[:100]!r} at {self.address}: {mismatch}")
 
     def taken(self, close: Callable[[], Any]) -> bool:
         """While we dial: True, with our stream closed by `close`, if the link has a stream now (the

@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from kvxfer_protocol.pb.kvxfer.v1 import peer_pb2
-from kvxferd import __version__
+from kvxfer_protocol.version import PROTOCOL_VERSION
 from kvxferd.config import Config, _valid_hostport
 from kvxferd.core.pb_convert import daemon_ref, daemon_ref_pb
 from kvxferd.core.peer_port import Identity, Link
@@ -147,7 +147,7 @@ class PeerManager:
             try:
                 reply = await h.stub.Handshake(
                     peer_pb2.HandshakeRequest(sender=self._me, agent_name=agent, nixl_metadata=metadata,
-                                              version=__version__, proof=proof_pb(sent),
+                                              version=PROTOCOL_VERSION, proof=proof_pb(sent),
                                               host_tag=same_host.tag(self.ident, challenge.instance_id)),
                     timeout=CONTROL_TIMEOUT_S,
                 )
@@ -157,6 +157,7 @@ class PeerManager:
                 if exc.code() != grpc.StatusCode.PERMISSION_DENIED or i + 1 == len(keys):
                     raise
         ref, their_md = daemon_ref(reply.sender), bytes(reply.nixl_metadata)
+        h.check_protocol(reply.version, ref.daemon_id)
         self.limits.metadata(len(their_md))
         # The server's certificate must name the daemon it claims to be (mTLS).
         self.auth.check_claim(await self.auth.server_ids(h.address, CONTROL_TIMEOUT_S), ref.daemon_id)

@@ -16,12 +16,12 @@ from typing import Any
 import grpc
 
 from kvxfer_protocol.pb.kvxfer.v1 import peer_pb2, peer_pb2_grpc
-from kvxferd import __version__
+from kvxfer_protocol.version import PROTOCOL_VERSION, protocol_mismatch
 from kvxferd.config import Config
 from kvxferd.core.pb_convert import daemon_ref, daemon_ref_pb
 from kvxferd.core.peer_port import Identity
 from kvxferd.engine_api.servicer import status_of
-from kvxferd.errors import KvxferError
+from kvxferd.errors import FailedPrecondition, KvxferError
 from kvxferd.ops.listener_bounds import ListenerCaps, RefusalLog, listener_caps
 from kvxferd.peer import call_caps as peer_calls
 from kvxferd.peer.auth import PeerCreds, ids_from_auth_context
@@ -74,6 +74,11 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         return peer_pb2.ChallengeReply(instance_id=self._m.ident.instance_id, nonce=self._m.auth.challenge())
 
     async def Handshake(self, request: peer_pb2.HandshakeRequest, context: grpc.aio.ServicerContext) -> peer_pb2.HandshakeReply:
+        mismatch = protocol_mismatch(request.version)
+        if mismatch:
+            # Refused before anything else is believed or kept: the caller's message names both versions.
+            self._m.auth.refused("handshake", f"from {request.sender.daemon_id[:100]!r}: {mismatch}")
+            raise FailedPrecondition(mismatch)
         proof, metadata = await self._m.accept_handshake(
             daemon_ref(request.sender), request.agent_name, bytes(request.nixl_metadata), proof_of(request),
             creds_of(context))
@@ -83,7 +88,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         same_host.check(request.host_tag, sender, me.instance_id if request.HasField("proof") else "",
                         self._m.auth.mode != "insecure")
         return peer_pb2.HandshakeReply(
-            sender=self._me(), agent_name=self._transport.name, nixl_metadata=metadata, version=__version__,
+            sender=self._me(), agent_name=self._transport.name, nixl_metadata=metadata, version=PROTOCOL_VERSION,
             proof=proof_pb(proof), host_tag=same_host.tag(me, sender.instance_id),
         )
 

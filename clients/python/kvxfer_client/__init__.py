@@ -21,8 +21,9 @@ from kvxfer_client._common import (
 )
 from kvxfer_client._sync import DecodeReceiver, daemon_status
 from kvxfer_client._sync_prefill import PrefillSender
+from kvxfer_protocol.version import PACKAGE_VERSION
 
-__version__ = "0.1.0"
+__version__ = PACKAGE_VERSION
 
 __all__ = [
     "AsyncDecodeReceiver",

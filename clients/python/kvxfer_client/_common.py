@@ -18,8 +18,6 @@ import grpc
 from kvxfer_client._pinned import HostPin
 from kvxfer_protocol.pb.kvxfer.v1 import common_pb2, engine_pb2
 
-# Chunks one EnqueueChunks call may carry (the daemon refuses more with INVALID_ARGUMENT).
-MAX_BATCH_CHUNKS = 4096
 # enqueue_many over the lane sends a batch of at least twice this many chunks as pipelined calls
 # of this many each (measured: bench rpc, batches of 256).
 PIPELINE_PART = 64

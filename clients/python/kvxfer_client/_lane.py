@@ -24,11 +24,9 @@ import grpc
 from google.protobuf.message_factory import GetMessageClass
 
 from kvxfer_client._common import KvxferError, NotSent, ReplyLost
+from kvxfer_protocol.lane_frames import REPLY, STREAM_MORE, request_frame
 from kvxfer_protocol.pb.kvxfer.v1 import engine_pb2
 
-REQUEST = struct.Struct("<IIIB")
-REPLY = struct.Struct("<IIB")
-STREAM_MORE = 0xFF  # a message of a server stream; more follow
 _SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"]
 _STATUS = {sc.value[0]: sc for sc in grpc.StatusCode}
 # Every unary call but RegisterEngine (which hands out the lane).
@@ -41,10 +39,8 @@ _REPLY_CLASSES = {name: GetMessageClass(_SERVICE.methods_by_name[name].output_ty
 
 
 def _frame(name: str, call_id: int, timeout: float | None, req: Any) -> bytes:
-    nb = name.encode()
-    body = req.SerializeToString()
     ms = min(0xFFFFFFFF, int(timeout * 1000)) if timeout else 0
-    return REQUEST.pack(len(nb) + len(body), call_id, ms, len(nb)) + nb + body
+    return request_frame(name.encode(), call_id, ms, req.SerializeToString())
 
 
 def _frame_end(buf: bytearray) -> int:

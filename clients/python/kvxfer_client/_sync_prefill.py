@@ -13,7 +13,6 @@ import grpc
 
 from kvxfer_client._claims import ClaimRing, merge_batch, split_batch
 from kvxfer_client._common import (
-    MAX_BATCH_CHUNKS,
     PIPELINE_PART,
     Chunk,
     ChunkRefused,
@@ -29,6 +28,7 @@ from kvxfer_client._lane import SyncLane
 from kvxfer_client._spare import SpareSlot
 from kvxfer_client._sync import _EngineClient
 from kvxfer_client._verdicts import Verdicts
+from kvxfer_protocol.limits import MAX_BATCH_CHUNKS
 from kvxfer_protocol.pb.kvxfer.v1 import common_pb2, engine_pb2
 
 
