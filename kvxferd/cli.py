@@ -99,7 +99,7 @@ def _is_peer_port(path: str, tls: Any, timeout: float) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from kvxfer_client._common import sync_channel
+    from kvxfer_client._channel import sync_channel
 
     try:
         with sync_channel(path, tls) as ch:
@@ -150,7 +150,7 @@ def _status(args: argparse.Namespace) -> int:
     import grpc
     from google.protobuf.json_format import MessageToDict
 
-    from kvxfer_client._common import Tls, sync_channel
+    from kvxfer_client._channel import Tls, sync_channel
     from kvxfer_protocol.pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc
     from kvxferd.config import _default_socket
 

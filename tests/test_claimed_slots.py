@@ -15,7 +15,7 @@ import pytest
 
 from kvxfer_client import ChunkRefused, DecodeReceiver, KvxferError, Layout, PrefillSender, RoomState, Slot
 from kvxfer_client._claims import HELD, LOCAL, LOST, SENT, ClaimRing
-from kvxfer_client._common import NotSent, ReplyLost
+from kvxfer_client.errors import NotSent, ReplyLost
 from kvxfer_protocol.pb.kvxfer.v1 import common_pb2, engine_pb2
 from kvxferd.buffers.host_pool import RingAllocator
 from tests.faults.harness import metric

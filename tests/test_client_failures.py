@@ -21,8 +21,8 @@ import grpc
 import pytest
 
 from kvxfer_client import AsyncPrefillSender, ChunkRefused, KvxferError, Layout, PrefillSender
-from kvxfer_client._common import NotSent, ReplyLost
 from kvxfer_client._lane import SyncLane
+from kvxfer_client.errors import NotSent, ReplyLost
 from kvxfer_protocol.lane_frames import REPLY, REQUEST
 from kvxfer_protocol.pb.kvxfer.v1 import engine_pb2
 from tests.test_e2e import status

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from kvxfer_client import Chunk
-from kvxfer_client._common import Slot, chunk_request, chunks_request
+from kvxfer_client._requests import chunk_request, chunks_request
+from kvxfer_client.types import Slot
 from kvxfer_protocol.pb.kvxfer.v1 import common_pb2, engine_pb2
 
 CHUNKS = [

@@ -34,7 +34,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvxfer_client._common import receive_pool, registration
+from kvxfer_client._requests import registration
+from kvxfer_client._rings import receive_pool
 from kvxfer_protocol.pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
 from kvxfer_protocol.version import PROTOCOL_VERSION
 from kvxferd.app import Ready, serve

@@ -251,8 +251,8 @@ def test_a_large_batched_enqueue_is_pipelined_on_the_lane_and_answers_per_chunk(
     chunks (over gRPC, one call); either way each chunk gets its own answer at its own index, in
     order, and the daemon holds exactly the accepted chunks."""
     from kvxfer_client import Chunk
-    from kvxfer_client._common import PIPELINE_PART
     from kvxfer_client._lane import SyncLane
+    from kvxfer_client._requests import PIPELINE_PART
     from kvxfer_protocol.limits import MAX_BATCH_CHUNKS
 
     d = daemons("batch", "--set", f"engine_lane={str(lane).lower()}")

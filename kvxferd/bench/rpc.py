@@ -159,7 +159,7 @@ class RpcBench:
 
         via="lane": what the client uses when the daemon serves its lane (kvxferd.engine_api.lane); the calls
         are synchronous, so a late one delays the next: latency_from_schedule_us counts that."""
-        from kvxfer_client._common import chunk_request
+        from kvxfer_client._requests import chunk_request
 
         if via == "lane" and self.tx.stub.lane is not None:
             return self._unary_paced_lane(chunks, tick)
@@ -221,7 +221,7 @@ class RpcBench:
         }
 
     def _unary_paced_lane(self, chunks: list[Any], tick: Callable[[int], None]) -> dict[str, Any]:
-        from kvxfer_client._common import chunk_request
+        from kvxfer_client._requests import chunk_request
 
         stub, eid = self.tx.stub, self.tx.engine_id
         period = 1.0 / self.s.rate
@@ -312,7 +312,7 @@ class RpcBench:
                 "call_latency_us": latency_summary(lat, 1e6), "cpu_s": meter.stop()}
 
     def streaming(self, chunks: list[Any]) -> dict[str, Any]:
-        from kvxfer_client._common import chunk_request
+        from kvxfer_client._requests import chunk_request
 
         eid = self.tx.engine_id
 

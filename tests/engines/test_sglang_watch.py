@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from kvxfer_client._common import RoomEvent, RoomState
 from kvxfer_client.sglang import _watch
 from kvxfer_client.sglang._watch import RoomView
+from kvxfer_client.types import RoomEvent, RoomState
 
 
 def said(state: RoomState, code: str = "", reason: str = "", aux: bytes = b"") -> RoomEvent:

@@ -5,22 +5,11 @@ Blocking: PrefillSender, DecodeReceiver. asyncio: AsyncPrefillSender, AsyncDecod
 """
 
 from kvxfer_client._aio import AsyncDecodeReceiver, AsyncPrefillSender, async_daemon_status
-from kvxfer_client._common import (
-    Chunk,
-    ChunkRefused,
-    KvxferError,
-    Landed,
-    Layout,
-    RoomEvent,
-    RoomFailed,
-    RoomState,
-    RoomStatus,
-    Slot,
-    Tls,
-    default_socket,
-)
+from kvxfer_client._channel import Tls, default_socket
 from kvxfer_client._sync import DecodeReceiver, daemon_status
 from kvxfer_client._sync_prefill import PrefillSender
+from kvxfer_client.errors import ChunkRefused, KvxferError, RoomFailed
+from kvxfer_client.types import Chunk, Landed, Layout, RoomEvent, RoomState, RoomStatus, Slot
 from kvxfer_protocol.version import PACKAGE_VERSION
 
 __version__ = PACKAGE_VERSION

@@ -10,30 +10,15 @@ from typing import Any
 import grpc
 
 from kvxfer_client._aio_lane import AioLane
+from kvxfer_client._channel import Tls, aio_channel
 from kvxfer_client._claims import ClaimRing, merge_batch, split_batch
-from kvxfer_client._common import (
+from kvxfer_client._pinned import check_can_pin, gpu_ring_for
+from kvxfer_client._requests import (
     RELEASE_TIMEOUT_S,
     RING_READY_TIMEOUT_S,
-    Chunk,
-    ChunkRefused,
-    KvxferError,
-    Landed,
-    Layout,
-    PoolMapping,
-    Registration,
-    RoomEvent,
-    RoomFailed,
-    RoomState,
-    RoomStatus,
-    Slot,
-    Tls,
     acquire_request,
-    aio_channel,
-    bytes_tensor,
     chunk_request,
     chunks_request,
-    enqueue_results,
-    export_ring,
     register_request,
     registration,
     retry_full_or_raise,
@@ -42,12 +27,13 @@ from kvxfer_client._common import (
     room_status,
     still_pending,
     watermark_request,
-    wrap_rpc_error,
 )
-from kvxfer_client._pinned import check_can_pin, gpu_ring_for
+from kvxfer_client._rings import PoolMapping, bytes_tensor, export_ring
 from kvxfer_client._spare import SpareSlot
 from kvxfer_client._stub import RoutedStub
 from kvxfer_client._verdicts import Verdicts
+from kvxfer_client.errors import ChunkRefused, KvxferError, RoomFailed, enqueue_results, wrap_rpc_error
+from kvxfer_client.types import Chunk, Landed, Layout, Registration, RoomEvent, RoomState, RoomStatus, Slot
 from kvxfer_protocol.pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
 

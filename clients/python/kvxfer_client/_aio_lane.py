@@ -10,8 +10,8 @@ from typing import Any
 
 import grpc
 
-from kvxfer_client._common import KvxferError, NotSent, ReplyLost
 from kvxfer_client._lane import _STATUS, REPLY, STREAM_MORE, _client_closed, _frame, _result, _settler
+from kvxfer_client.errors import KvxferError, NotSent, ReplyLost
 
 
 async def _read_frame_async(reader: asyncio.StreamReader) -> tuple[int, int, bytes]:

@@ -33,7 +33,8 @@ from typing import Any
 
 import grpc
 
-from kvxfer_client._common import KvxferError, NotSent, ReplyLost, Slot
+from kvxfer_client.errors import KvxferError, NotSent, ReplyLost
+from kvxfer_client.types import Slot
 from kvxfer_protocol.pb.kvxfer.v1 import engine_pb2
 
 LOCAL, SENT, HELD, LOST = range(4)

@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 from google.protobuf.message_factory import GetMessageClass
 
-from kvxfer_client._common import KvxferError, NotSent, ReplyLost
+from kvxfer_client.errors import KvxferError, NotSent, ReplyLost
 from kvxfer_protocol.lane_frames import REPLY, STREAM_MORE, request_frame
 from kvxfer_protocol.pb.kvxfer.v1 import engine_pb2
 

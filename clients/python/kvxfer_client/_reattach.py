@@ -32,8 +32,8 @@ from typing import Generic, TypeVar
 
 import grpc
 
-from kvxfer_client._common import KvxferError
 from kvxfer_client._sync import _EngineClient
+from kvxfer_client.errors import KvxferError
 from kvxfer_protocol.pb.kvxfer.v1 import engine_pb2
 
 logger = logging.getLogger(__name__)

@@ -7,7 +7,8 @@ import contextlib
 import threading
 from collections.abc import Iterator, Sequence
 
-from kvxfer_client._common import NotSent, Slot
+from kvxfer_client.errors import NotSent
+from kvxfer_client.types import Slot
 from kvxfer_protocol.pb.kvxfer.v1 import engine_pb2
 
 

@@ -10,34 +10,24 @@ from typing import Any
 
 import grpc
 
-from kvxfer_client._common import (
+from kvxfer_client._channel import Tls, sync_channel
+from kvxfer_client._lane import SyncLane
+from kvxfer_client._pinned import check_can_pin, gpu_ring_for
+from kvxfer_client._requests import (
     RELEASE_TIMEOUT_S,
     RING_READY_TIMEOUT_S,
-    KvxferError,
-    Landed,
-    Layout,
-    PoolMapping,
-    Registration,
-    RoomEvent,
-    RoomFailed,
-    RoomState,
-    RoomStatus,
-    Tls,
-    bytes_tensor,
-    export_ring,
     register_request,
     registration,
     room_event,
     room_pb,
     room_status,
     still_pending,
-    sync_channel,
     watermark_request,
-    wrap_rpc_error,
 )
-from kvxfer_client._lane import SyncLane
-from kvxfer_client._pinned import check_can_pin, gpu_ring_for
+from kvxfer_client._rings import PoolMapping, bytes_tensor, export_ring
 from kvxfer_client._stub import RoutedStub
+from kvxfer_client.errors import KvxferError, RoomFailed, wrap_rpc_error
+from kvxfer_client.types import Landed, Layout, Registration, RoomEvent, RoomState, RoomStatus
 from kvxfer_protocol.pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc
 
 

@@ -12,22 +12,13 @@ from typing import Any
 import grpc
 
 from kvxfer_client._claims import ClaimRing, merge_batch, split_batch
-from kvxfer_client._common import (
-    PIPELINE_PART,
-    Chunk,
-    ChunkRefused,
-    KvxferError,
-    Slot,
-    acquire_request,
-    chunk_request,
-    chunks_request,
-    enqueue_results,
-    retry_full_or_raise,
-)
 from kvxfer_client._lane import SyncLane
+from kvxfer_client._requests import PIPELINE_PART, acquire_request, chunk_request, chunks_request, retry_full_or_raise
 from kvxfer_client._spare import SpareSlot
 from kvxfer_client._sync import _EngineClient
 from kvxfer_client._verdicts import Verdicts
+from kvxfer_client.errors import ChunkRefused, KvxferError, enqueue_results
+from kvxfer_client.types import Chunk, Slot
 from kvxfer_protocol.limits import MAX_BATCH_CHUNKS
 from kvxfer_protocol.pb.kvxfer.v1 import common_pb2, engine_pb2
 

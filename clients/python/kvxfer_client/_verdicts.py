@@ -7,8 +7,9 @@ import threading
 from typing import Any
 
 from kvxfer_client._claims import ClaimRing
-from kvxfer_client._common import Chunk, ChunkRefused, KvxferError
 from kvxfer_client._spare import SpareSlot
+from kvxfer_client.errors import ChunkRefused, KvxferError
+from kvxfer_client.types import Chunk
 
 
 class Verdicts:

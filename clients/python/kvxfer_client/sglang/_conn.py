@@ -34,12 +34,13 @@ from sglang.srt.disaggregation.base.conn import (
     KVTransferMetric,
 )
 
-from kvxfer_client._common import ChunkRefused, KvxferError, Layout, RoomEvent, RoomState
 from kvxfer_client._sync import DecodeReceiver
 from kvxfer_client._sync_prefill import PrefillSender
+from kvxfer_client.errors import ChunkRefused, KvxferError
 from kvxfer_client.sglang._bootstrap import PrefillRoute, fetch_route, put_route
 from kvxfer_client.sglang._pages import PagedBuffers, dtype_bytes, wrap
 from kvxfer_client.sglang._watch import RESYNC_S, RoomView, RoomWatch
+from kvxfer_client.types import Layout, RoomEvent, RoomState
 
 if TYPE_CHECKING:
     from kvxfer_client.sglang._receiver import KvxferdKVReceiver

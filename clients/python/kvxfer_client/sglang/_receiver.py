@@ -8,11 +8,12 @@ from typing import Any
 
 from sglang.srt.disaggregation.base.conn import BaseKVReceiver, KVPoll
 
-from kvxfer_client._common import KvxferError, Landed, RoomEvent, RoomState
 from kvxfer_client._sync import DecodeReceiver
+from kvxfer_client.errors import KvxferError
 from kvxfer_client.sglang._bootstrap import PrefillRoute
 from kvxfer_client.sglang._conn import KvxferdKVManager, KvxferdTransferError
 from kvxfer_client.sglang._watch import RoomView
+from kvxfer_client.types import Landed, RoomEvent, RoomState
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvxfer_client._common import KvxferError, RoomEvent, RoomState, RoomStatus
+from kvxfer_client.errors import KvxferError
+from kvxfer_client.types import RoomEvent, RoomState, RoomStatus
 
 logger = logging.getLogger(__name__)
 

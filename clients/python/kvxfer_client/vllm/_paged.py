@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvxfer_client._common import Layout
+from kvxfer_client.types import Layout
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import grpc
 
-from kvxfer_client._common import CHANNEL_OPTIONS, target
+from kvxfer_client._channel import CHANNEL_OPTIONS, target
 from kvxfer_client.vllm._config import (
     P_ADDRESS,
     P_DO_REMOTE_DECODE,

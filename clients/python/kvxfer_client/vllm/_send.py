@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from kvxfer_client._common import ChunkRefused, KvxferError
 from kvxfer_client._reattach import Reattach
 from kvxfer_client._sync_prefill import PrefillSender
+from kvxfer_client.errors import ChunkRefused, KvxferError
 from kvxfer_client.vllm import _paged
 from kvxfer_client.vllm._config import SendChunk, StepPlan
 

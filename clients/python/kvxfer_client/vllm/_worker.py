@@ -27,10 +27,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from kvxfer_client._common import KvxferError, Landed, NotSent, RoomEvent, RoomState
 from kvxfer_client._reattach import Reattach
 from kvxfer_client._sync import DecodeReceiver
 from kvxfer_client._sync_prefill import PrefillSender
+from kvxfer_client.errors import KvxferError, NotSent
+from kvxfer_client.types import Landed, RoomEvent, RoomState
 from kvxfer_client.vllm import _paged
 from kvxfer_client.vllm._config import LoadSpec, Settings, StepPlan
 from kvxfer_client.vllm._paged import CacheShape
