@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from kvxfer_client.kernels import Backend, KVPages
+
 logger = logging.getLogger(__name__)
 
 
@@ -62,24 +64,27 @@ class PagedBuffers:
                 pages = lens[i] // item
                 row.append(wrap(ptrs[i], pages * item, device).view(pages, page_size, heads, self.head_bytes))
             self.views.append(row)
+        # The client's one paged-KV copy (kvxfer_client.kernels, what `kvxferd bench kernels`
+        # measures): one Triton launch for every layer and plane on a GPU pool; its byte-exact torch
+        # reference on CPU pools, where Triton would only run interpreted.
+        slots = [[v.view(-1, heads, self.head_bytes) for v in row] for row in self.views]
+        self.kv = KVPages(slots[0], slots[1] if planes == 2 else None)
+        self._backend: Backend = "auto" if self.kv.device.type == "cuda" else "torch"
 
     def slot(self, flat: torch.Tensor, tokens: int) -> torch.Tensor:
         return flat.view(self.heads, self.layers, self.planes, tokens, self.head_bytes)
 
     def gather(self, pages: Sequence[int], dst: torch.Tensor) -> None:
         """Pages (every layer and plane) into a slot ``[H, L, planes, T, head_bytes]``."""
-        idx = torch.as_tensor(list(pages), dtype=torch.int64, device=self.views[0][0].device)
-        tokens = len(pages) * self.page_size
-        for p, row in enumerate(self.views):
-            for layer, v in enumerate(row):
-                dst[:, layer, p].copy_(v[idx].reshape(tokens, self.heads, self.head_bytes).permute(1, 0, 2))
+        self.kv.gather(self._ids(pages), len(pages) * self.page_size, self.page_size, dst, backend=self._backend)
 
     def scatter(self, pages: Sequence[int], src: torch.Tensor) -> None:
-        idx = torch.as_tensor(list(pages), dtype=torch.int64, device=self.views[0][0].device)
-        n = len(pages)
-        for p, row in enumerate(self.views):
-            for layer, v in enumerate(row):
-                v[idx] = src[:, layer, p].permute(1, 0, 2).reshape(n, self.page_size, self.heads, self.head_bytes).to(v.device)
+        self.kv.scatter(self._ids(pages), len(pages) * self.page_size, self.page_size, src, backend=self._backend)
+
+    @staticmethod
+    def _ids(pages: Sequence[int]) -> torch.Tensor:
+        # Host ids: the kernels check their bounds without waiting on the engine's stream.
+        return torch.as_tensor(list(pages), dtype=torch.int64)
 
 
 def dtype_bytes(kv_cache_dtype_str: str, fallback: Any = None) -> int:
