@@ -2,7 +2,7 @@
 
 The core sees only `Registry`: `start`/`stop`, `groups_changed()` when engines come or go,
 `resolve_group(group, role, deadline)` for rooms addressed by group, and `status()`. A backend
-(etcd: `registry_etcd.py`) feeds `FleetCache` from a watch; lookups never wait on the backend,
+(etcd: `fleet/etcd.py`) feeds `FleetCache` from a watch; lookups never wait on the backend,
 only on the cache, so a backend that is down degrades lookups of groups not seen yet and nothing
 else. `NoRegistry` is the static default: rooms name their prefill daemon's address.
 """
