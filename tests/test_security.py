@@ -44,6 +44,7 @@ from kvxfer_client import (
     daemon_status,
 )
 from kvxfer_protocol.pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
+from kvxfer_protocol.version import PROTOCOL_VERSION
 from kvxferd.config import Config
 from tests.conftest import ROOT, DaemonProc, daemon_env, spawn_daemon, wait_ready
 from tests.peer_client import PERMISSION_DENIED, Wire, peer_streams
@@ -453,7 +454,8 @@ def test_a_certificate_binds_the_daemon_id_its_holder_may_claim(fleet: Fleet, pk
 
         def handshake(daemon_id: str) -> tuple[grpc.StatusCode, str]:
             return _code(lambda: stub.Handshake(peer_pb2.HandshakeRequest(
-                sender=ref(daemon_id), agent_name=agent.name, nixl_metadata=agent.metadata()), timeout=10))
+                sender=ref(daemon_id), agent_name=agent.name, nixl_metadata=agent.metadata(),
+                version=PROTOCOL_VERSION), timeout=10))
 
         for claimed in ("D", "pre"):
             code, why = handshake(claimed)
@@ -490,7 +492,8 @@ def test_the_cn_does_not_name_a_daemon_when_the_certificate_has_a_uri_san(fleet:
         stub = peer_pb2_grpc.PeerStub(ch)
         ref = peer_pb2.DaemonRef(daemon_id="pre", instance_id="i-forged", address="127.0.0.1:9")
         for call in (lambda: stub.Handshake(peer_pb2.HandshakeRequest(
-                        sender=ref, agent_name=agent.name, nixl_metadata=agent.metadata()), timeout=10),
+                        sender=ref, agent_name=agent.name, nixl_metadata=agent.metadata(), version=PROTOCOL_VERSION),
+                        timeout=10),
                      lambda: list(stub.Session(iter([peer_pb2.PeerBatch(msgs=[peer_pb2.PeerMsg(
                          hello=peer_pb2.Hello(sender=ref))])]), timeout=10)),
                      lambda: stub.Heartbeat(peer_pb2.HeartbeatRequest(sender=ref), timeout=10)):
