@@ -28,9 +28,9 @@ import grpc
 from kvxfer_protocol.pb.kvxfer.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 from kvxfer_protocol.version import protocol_mismatch
 from kvxferd.config import PEER_BATCH_MSGS, Config
-from kvxferd.core.pb_convert import layout_pb, room_key_pb, zero_copy_target_pb
+from kvxferd.core.pb_convert import daemon_ref, layout_pb, room_key_pb, zero_copy_target_pb
 from kvxferd.core.peer_port import BootstrapAnswer, BootstrapMsg, CreditSpec
-from kvxferd.core.types import FailureCode, RoomKey
+from kvxferd.core.types import DaemonRef, FailureCode, RoomKey
 from kvxferd.datapath.credits import CreditWindow
 from kvxferd.errors import AlreadyExists, FailedPrecondition, KvxferError, Unavailable
 from kvxferd.ops.metrics import Metrics
@@ -224,10 +224,12 @@ class PeerLink:
             raise
         return wire
 
-    def check_protocol(self, theirs: str, daemon_id: str) -> None:
-        """Refuses the daemon that answered our handshake if it speaks another protocol MAJOR."""
-        if mismatch := protocol_mismatch(theirs):
-            raise FailedPrecondition(f"daemon {daemon_id[:100]!r} at {self.address}: {mismatch}")
+    def answered(self, reply: peer_pb2.HandshakeReply) -> DaemonRef:
+        """The daemon that answered our handshake; refused if it speaks another protocol MAJOR."""
+        ref = daemon_ref(reply.sender)
+        if mismatch := protocol_mismatch(reply.version):
+            raise FailedPrecondition(f"daemon {ref.daemon_id[:100]!r} at {self.address}: {mismatch}")
+        return ref
 
     def taken(self, close: Callable[[], Any]) -> bool:
         """While we dial: True, with our stream closed by `close`, if the link has a stream now (the

@@ -156,8 +156,7 @@ class PeerManager:
                 # Mid-rotation the peer may know only our previous secret.
                 if exc.code() != grpc.StatusCode.PERMISSION_DENIED or i + 1 == len(keys):
                     raise
-        ref, their_md = daemon_ref(reply.sender), bytes(reply.nixl_metadata)
-        h.check_protocol(reply.version, ref.daemon_id)
+        ref, their_md = h.answered(reply), bytes(reply.nixl_metadata)
         self.limits.metadata(len(their_md))
         # The server's certificate must name the daemon it claims to be (mTLS).
         self.auth.check_claim(await self.auth.server_ids(h.address, CONTROL_TIMEOUT_S), ref.daemon_id)
