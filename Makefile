@@ -43,7 +43,7 @@ run: install
 	$(VENV)/bin/kvxferd serve $(ARGS)
 
 lint: install-test
-	$(PY) -m ruff check kvxferd clients tests scripts examples
+	$(PY) -m ruff check kvxferd kvxfer_protocol clients tests scripts examples
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports
 
