@@ -8,11 +8,10 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 PIP_INSTALL := $(PIP) install --no-compile
 SGLANG_VERSION := 0.5.23
-# PYTEST_WORKERS="-n 2 --dist loadscope" runs the suite on two xdist workers (a module's tests stay
-# together; tests of real engines are one unit on one worker: tests/conftest.py): 18:29 and 19:00
-# at load 15-22 against 27:26 serially, but each of two whole runs failed 2 tests (timing under load),
-# so it is not the default until a quiet-box rehearsal passes with it.
-PYTEST_WORKERS ?=
+# The suite runs on two xdist workers: much of it waits (daemons, deadlines, heartbeats), so a second
+# worker uses that time. A module's tests stay together and in order; tests of real engines are one
+# unit on one worker (tests/conftest.py). PYTEST_WORKERS= runs it serially.
+PYTEST_WORKERS ?= -n 2 --dist loadscope
 
 .PHONY: install install-test run test lint proto clean
 
