@@ -2,7 +2,9 @@
 
 Engine side: per layer a K and a V tensor ``[num_slots, local_heads, head_dim]``
 (MLA: one latent tensor per layer, ``[num_slots, 1, width]`` or
-``[num_slots, width]``). Page ``p`` is slots ``[p * page_size, (p + 1) * page_size)``; with ``j = token_offset + i``,
+``[num_slots, width]``), or block-major planes ``[num_pages, local_heads, page_size, head_dim]``
+with any strides (vLLM's caches as ``kvxfer_client.vllm._paged.kv_planes`` sees them; the
+torch reference copies those unless they are one slot row per token, which Triton takes). Page ``p`` is slots ``[p * page_size, (p + 1) * page_size)``; with ``j = token_offset + i``,
 token ``i`` of a chunk lives in slot ``page_ids[j // page_size] * page_size + j % page_size``:
 a chunk may start in the middle of its first page (chunked prefill cut by a token budget) and
 end in the middle of its last one; only its own tokens are read or written.
@@ -126,6 +128,16 @@ def _as_3d(t: torch.Tensor, what: str) -> torch.Tensor:
     return t
 
 
+def _flat_pages(t: torch.Tensor) -> torch.Tensor:
+    """A ``[pages, heads, page_size, D]`` plane as ``[slots, heads, D]`` when its pages are token
+    rows of one stride (token-major pages, e.g. ``[blocks, block_size, heads, D]`` permuted): the
+    Triton kernels address slots, not (page, head, token). Else the plane itself."""
+    pages, heads, size, dim = t.shape
+    if t.stride(0) == size * t.stride(2):
+        return t.as_strided((pages * size, heads, dim), (t.stride(2), t.stride(1), t.stride(3)))
+    return t
+
+
 def _check_positive(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -175,25 +187,33 @@ class KVPages:
             raise ValueError(f"got {len(k_layers)} K layers but {len(v_layers)} V layers")
         if staging_bytes < 0:
             raise ValueError(f"staging_bytes must be >= 0, got {staging_bytes}")
-        tensors: list[torch.Tensor] = []
-        for i, k in enumerate(k_layers):
-            tensors.append(_as_3d(k, f"k_layers[{i}]"))
-            if v_layers is not None:
-                tensors.append(_as_3d(v_layers[i], f"v_layers[{i}]"))
+        planes = 1 if v_layers is None else 2
+        given = [t for i, k in enumerate(k_layers) for t in (k, *(() if v_layers is None else (v_layers[i],)))]
+        # Block-major planes name their page size; slot-major ones leave it to each call.
+        self.page_size: int | None = int(given[0].shape[2]) if given[0].dim() == 4 else None
+        paged = self.page_size is not None
+        tensors = [_flat_pages(t) if paged and t.dim() == 4 else _as_3d(t, f"{'kv'[i % planes]}_layers[{i // planes}]")
+                   for i, t in enumerate(given)]
         ref = tensors[0]
-        for t in tensors[1:]:
-            if t.shape != ref.shape or t.stride() != ref.stride() or t.dtype != ref.dtype or t.device != ref.device:
+        for g, t in zip(given[1:], tensors[1:], strict=True):
+            # Block-major planes may differ in strides (CPU_ATTN stores K transposed, V not): the
+            # torch reference indexes each plane by itself.
+            if g.shape != given[0].shape or (not paged and t.stride() != ref.stride()) or t.dtype != ref.dtype \
+                    or t.device != ref.device:
                 raise ValueError(
                     "all KV layers must share shape, strides, dtype and device; "
                     f"got {tuple(t.shape)}/{t.stride()}/{t.dtype}/{t.device} vs "
                     f"{tuple(ref.shape)}/{ref.stride()}/{ref.dtype}/{ref.device}"
                 )
-        if ref.stride(2) != 1:
+        if not paged and ref.stride(2) != 1:
             raise ValueError("KV head_dim must be contiguous (stride 1)")
+        # Triton addresses every plane as the first one's [slot, head, D] strides from its own base.
+        self._triton_ok = ref.dim() == 3 and ref.stride(2) == 1 and all(t.stride() == ref.stride() for t in tensors)
         self.planes_t: tuple[torch.Tensor, ...] = tuple(tensors)  # layer-major: k0, v0, k1, v1, ...
         self.num_layers = len(k_layers)
-        self.planes = 1 if v_layers is None else 2
-        self.num_slots, self.local_heads, self.head_dim = (int(x) for x in ref.shape)
+        self.planes = planes
+        self.local_heads, self.head_dim = int(ref.shape[1]), int(ref.shape[-1])
+        self.num_slots = int(ref.shape[0]) * (int(ref.shape[2]) if ref.dim() == 4 else 1)
         self.dtype = ref.dtype
         self.itemsize = ref.element_size()
         self.device = ref.device
@@ -283,6 +303,8 @@ class KVPages:
     ) -> CopyCall:
         _check_positive("num_tokens", num_tokens)
         _check_positive("page_size", page_size)
+        if self.page_size is not None and page_size != self.page_size:
+            raise ValueError(f"page_size {page_size} is not the {self.page_size} tokens of the KV planes' pages")
         if not isinstance(token_offset, int) or isinstance(token_offset, bool) or not 0 <= token_offset < page_size:
             raise ValueError(f"token_offset must be an int in [0, {page_size}), got {token_offset!r}")
         if num_heads is None:
@@ -333,7 +355,7 @@ class KVPages:
         if backend == "torch":
             return "torch"
         path: Literal["triton", "staged"] | None = None
-        if not triton_available():
+        if not triton_available() or not self._triton_ok:
             path = None
         elif self.device.type == "cuda" and not _interpreting():
             if slot_dev == self.device:
@@ -353,6 +375,7 @@ class KVPages:
                 f"triton backend cannot copy between KV on {self.device} and a slot on {slot_dev}"
                 f"{' (pageable host memory, no staging)' if slot_dev.type == 'cpu' else ''}"
                 f"{'' if triton_available() else '; triton is not installed'}"
+                f"{'' if self._triton_ok else '; its KV planes are not [slot, head, D] rows of one stride'}"
             )
         logger.debug("kv copy falls back to torch (kv on %s, slot on %s)", self.device, slot_dev)
         return "torch"
@@ -369,26 +392,26 @@ class KVPages:
         shape = (call.num_heads, call.num_lp, call.num_tokens, self.head_dim)
         return _as_int(call.slot.view(torch.uint8).view(self.dtype)).view(shape)
 
-    def _token_slots(self, call: CopyCall) -> torch.Tensor:
-        pos = torch.arange(call.num_tokens, device=self.device) + call.token_offset
-        pages = call.page_ids.to(device=self.device, dtype=torch.int64)
-        return pages[pos // call.page_size] * call.page_size + pos % call.page_size
-
     def _copy_torch(self, kind: Kind, call: CopyCall) -> None:
-        slots = self._token_slots(call)
+        pos = torch.arange(call.num_tokens, device=self.device) + call.token_offset
+        pages = call.page_ids.to(device=self.device, dtype=torch.int64)[pos // call.page_size]
+        offsets = pos % call.page_size
+        slots = pages * call.page_size + offsets
         view = self._slot_view(call)
         src = view if kind == "gather" else view.to(self.device)
         hs = slice(call.head_start, call.head_start + call.num_heads)
         whole = call.head_start == 0 and call.num_heads == self.local_heads
         for i in range(call.num_lp):
             plane = _as_int(self.planes_t[call.lp_begin + i])
+            # Either index gives [tokens, heads, D] (advanced indices around a slice go first).
+            index = (slots, hs) if plane.dim() == 3 else (pages, hs, offsets)
             if kind == "gather":
-                view[:, i].copy_(plane[slots][:, hs, :].transpose(0, 1))  # [tokens, heads, D] -> [heads, ...]
-            elif whole:
+                view[:, i].copy_(plane[index].transpose(0, 1))  # [tokens, heads, D] -> [heads, ...]
+            elif whole and plane.dim() == 3:
                 plane.index_copy_(0, slots, src[:, i].transpose(0, 1).contiguous())
             else:
                 # index_put on a head-sliced view keeps untouched heads intact.
-                plane[slots, hs] = src[:, i].transpose(0, 1)
+                plane[index] = src[:, i].transpose(0, 1)
 
     # triton -------------------------------------------------------------------
 

@@ -52,6 +52,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from kvxfer_client.kernels import KVPages
 from kvxfer_client.vllm import _paged
 from kvxfer_client.vllm._config import Settings, StepPlan
 from kvxfer_client.vllm._metrics import KvxferdPromMetrics, KvxferdStats, KvxferdWorkerMeta
@@ -83,8 +84,10 @@ def _check_cpu_layout(attn: Any, dtype: Any, block_size: int, head_size: int) ->
     ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, torch.arange(tokens), isa,
                                    k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
     planes = _paged.kv_planes(scratch, "CPU_ATTN", head_size)
-    blocks, offsets = _paged.token_index([0, 1], 0, 0, tokens, block_size, block_size, scratch.device)
-    if not (torch.equal(planes.k[blocks, :, offsets], key) and torch.equal(planes.v[blocks, :, offsets], value)):
+    # Read back through the connector's own copy (slot [1 head, 1 layer, K/V, tokens, head_size]).
+    slot = torch.empty(2, tokens, 1, head_size, dtype=dtype)
+    KVPages([planes.k], [planes.v]).gather(torch.tensor([0, 1]), tokens, block_size, slot, backend="torch")
+    if not (torch.equal(slot[0], key) and torch.equal(slot[1], value)):
         raise NotImplementedError(f"CPU attention ISA {isa!r} lays out K/V in a way KvxferdConnector does not read")
 
 

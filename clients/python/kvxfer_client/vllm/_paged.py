@@ -12,7 +12,8 @@ ways, so the bytes of a token's K sit in different places:
   ``[..., :head_size]`` is K and the rest is V, token by token.
 
 :func:`kv_planes` returns, per layer, K and V as ``[num_blocks, kv_heads, block_size, head_size]``
-strided views over the engine's own memory, so gather and scatter below never depend on the backend.
+strided views over the engine's own memory; :class:`kvxfer_client.kernels.KVPages` copies them (the
+one paged-KV copy the sglang adapter uses too), so the copies never depend on the backend.
 
 A kvxferd slot holds one rank's part of a chunk as ``[local_heads, layers, 2, tokens, head_dim]``
 (see ``kvxfer_protocol.slot_layout``); that is the layout written and read here.
@@ -20,12 +21,15 @@ A kvxferd slot holds one rank's part of a chunk as ``[local_heads, layers, 2, to
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
+from kvxfer_client.kernels import Backend, KVPages
 from kvxfer_client.types import Layout
 
 logger = logging.getLogger(__name__)
@@ -56,44 +60,25 @@ def kv_planes(cache: torch.Tensor, backend: str, head_size: int) -> Planes:
     return Planes(cache[..., :head_size], cache[..., head_size:])
 
 
-def token_index(block_ids: Sequence[int], first_block: int, start: int, end: int, block_size: int,
-                kernel_block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cache block, offset in it) of tokens [start, end).
+def chunk_pages(block_ids: Sequence[int], first_block: int, start: int, end: int, block_size: int,
+                kernel_block_size: int) -> tuple[torch.Tensor, int]:
+    """Cache (kernel) blocks holding tokens [start, end), from the one holding ``start``, and
+    ``start``'s offset in it: what :meth:`KVPages.gather`/``scatter`` take as pages.
 
     ``block_ids`` are the scheduler's blocks, ``block_ids[0]`` holding token ``first_block * block_size``;
-    a scheduler block may span several cache (kernel) blocks of ``kernel_block_size`` tokens.
+    a scheduler block may span several cache blocks of ``kernel_block_size`` tokens.
     """
     if block_size % kernel_block_size:
         raise ValueError(f"block size {block_size} is not a multiple of the cache's {kernel_block_size}")
-    tokens = torch.arange(start, end, dtype=torch.int64)
-    local = tokens // block_size - first_block
-    if len(block_ids) == 0 or int(local.min()) < 0 or int(local.max()) >= len(block_ids):
+    base = first_block * block_size
+    if not block_ids or start < base or end <= start or end > base + len(block_ids) * block_size:
         raise ValueError(f"tokens [{start}, {end}) are outside the {len(block_ids)} blocks given from block {first_block}")
-    table = torch.tensor(list(block_ids), dtype=torch.int64)
     per = block_size // kernel_block_size
-    kernel_blocks = table[local] * per + (tokens % block_size) // kernel_block_size
-    return kernel_blocks.to(device), (tokens % kernel_block_size).to(device)
-
-
-def slot_view(slot_bytes: torch.Tensor, heads: int, layers: int, tokens: int, head_size: int,
-              dtype: torch.dtype) -> torch.Tensor:
-    """A uint8 slot as ``[heads, layers, 2, tokens, head_size]`` of the cache's dtype."""
-    return slot_bytes.view(dtype).view(heads, layers, 2, tokens, head_size)
-
-
-def gather(planes: Sequence[Planes], blocks: torch.Tensor, offsets: torch.Tensor, slot: torch.Tensor) -> None:
-    """Copies the tokens at (blocks, offsets) of every layer into ``slot`` ([H, L, 2, T, D])."""
-    for layer, p in enumerate(planes):
-        # Advanced indices on dims 0 and 2 around a slice put the token dim first: [T, H, D].
-        slot[:, layer, 0].copy_(p.k[blocks, :, offsets].permute(1, 0, 2))
-        slot[:, layer, 1].copy_(p.v[blocks, :, offsets].permute(1, 0, 2))
-
-
-def scatter(planes: Sequence[Planes], blocks: torch.Tensor, offsets: torch.Tensor, slot: torch.Tensor) -> None:
-    """Writes ``slot`` ([H, L, 2, T, D]) into the tokens at (blocks, offsets) of every layer."""
-    for layer, p in enumerate(planes):
-        p.k[blocks, :, offsets] = slot[:, layer, 0].permute(1, 0, 2).to(p.k.device)
-        p.v[blocks, :, offsets] = slot[:, layer, 1].permute(1, 0, 2).to(p.v.device)
+    first, last = (start - base) // kernel_block_size, (end - 1 - base) // kernel_block_size
+    table = torch.tensor(list(block_ids), dtype=torch.int64)
+    # Host ids: the kernels check their bounds without waiting on the engine's stream.
+    kernel = (table[:, None] * per + torch.arange(per)).reshape(-1)[first : last + 1]
+    return kernel, (start - base) % kernel_block_size
 
 
 @dataclass(frozen=True)
@@ -108,6 +93,21 @@ class CacheShape:
     block_size: int  # the scheduler's block (what block ids count)
     kernel_block_size: int  # tokens per block of the cache tensors
     dtype: torch.dtype
+
+    @functools.cached_property
+    def pages(self) -> KVPages:
+        """The client's one paged-KV copy over every layer's planes (the sglang adapter's too)."""
+        return KVPages([p.k for p in self.planes], [p.v for p in self.planes])
+
+    def copy(self, kind: Literal["gather", "scatter"], slot: torch.Tensor, block_ids: Sequence[int],
+             first_block: int, start: int, end: int) -> None:
+        """Tokens [start, end) of a request's blocks into a slot ``[H, L, 2, T, D]`` or back."""
+        ids, offset = chunk_pages(block_ids, first_block, start, end, self.block_size, self.kernel_block_size)
+        kv = self.pages
+        # Triton on a GPU cache; on CPU it would only run interpreted: the byte-exact torch reference.
+        backend: Backend = "auto" if kv.device.type == "cuda" else "torch"
+        fn = kv.gather if kind == "gather" else kv.scatter
+        fn(ids, end - start, self.kernel_block_size, slot, token_offset=offset, backend=backend)
 
     def layout(self) -> Layout:
         return Layout(

@@ -113,11 +113,7 @@ class SendPath:
         s = self.shape
         slot = tx.acquire(n, timeout=self._acquire_timeout)
         try:
-            dst = _paged.slot_view(tx.tensor(slot.offset, slot.chunk_bytes), s.local_heads, len(s.layers), n,
-                                   s.head_size, s.dtype)
-            blocks, offsets = _paged.token_index(c.block_ids, c.first_block, c.start, c.end, s.block_size,
-                                                 s.kernel_block_size, s.planes[0].k.device)
-            _paged.gather(s.planes, blocks, offsets, dst)
+            s.copy("gather", tx.tensor(slot.offset, slot.chunk_bytes), c.block_ids, c.first_block, c.start, c.end)
             tx.enqueue(c.room, c.chunk_id, c.start, n, slot, last=c.last, wait=False)
         except BaseException:
             quiet(tx.release_slot, slot)

@@ -32,7 +32,6 @@ from kvxfer_client._sync import DecodeReceiver
 from kvxfer_client._sync_prefill import PrefillSender
 from kvxfer_client.errors import KvxferError, NotSent
 from kvxfer_client.types import Landed, RoomEvent, RoomState
-from kvxfer_client.vllm import _paged
 from kvxfer_client.vllm._config import LoadSpec, Settings, StepPlan
 from kvxfer_client.vllm._paged import CacheShape
 from kvxfer_client.vllm._send import SendPath, quiet
@@ -334,11 +333,13 @@ class ConnectorWorker:
         hi = c.token_start + c.num_tokens
         if lo >= hi:
             return
-        src = _paged.slot_view(rx.tensor(c.offset, c.chunk_bytes), s.local_heads, len(s.layers), c.num_tokens,
-                               s.head_size, s.dtype)[:, :, :, lo - c.token_start : hi - c.token_start]
-        blocks, offsets = _paged.token_index(spec.block_ids, 0, lo, hi, s.block_size, s.kernel_block_size,
-                                             s.planes[0].k.device)
-        _paged.scatter(s.planes, blocks, offsets, src)
+        src = rx.tensor(c.offset, c.chunk_bytes)
+        if lo > c.token_start:
+            # Tokens the decode engine already holds (its prefix-cache hit) stay untouched; the copy
+            # takes a contiguous slot, so the rest is copied out once (only a chunk crossing skip_tokens).
+            whole = src.view(s.dtype).view(s.local_heads, len(s.layers), 2, c.num_tokens, s.head_size)
+            src = whole[:, :, :, lo - c.token_start :].contiguous()
+        s.copy("scatter", src, spec.block_ids, 0, lo, hi)
 
     def _finish(self, ld: _Load, error: str) -> None:
         with self._lock:
