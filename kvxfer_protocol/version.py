@@ -19,14 +19,15 @@ def parse_protocol(version: str) -> tuple[int, int] | None:
     return int(parts[0]), int(parts[1])
 
 
-def protocol_mismatch(theirs: str, ours: str = PROTOCOL_VERSION) -> str:
-    """Empty when a peer speaking `theirs` can work with us, else why not, naming both versions."""
+def protocol_mismatch(theirs: str, ours: str = PROTOCOL_VERSION, who: str = "peer") -> str:
+    """Empty when a `who` (peer daemon, engine client) speaking `theirs` can work with us, else
+    why not, naming both versions."""
     mine, other = parse_protocol(ours), parse_protocol(theirs)
     assert mine is not None, ours
     shown = repr(theirs[:40]) if other is None else theirs
     if other is None:
-        return f"peer protocol version {shown} is not MAJOR.MINOR; this daemon speaks {ours}"
+        return f"{who} protocol version {shown} is not MAJOR.MINOR; this daemon speaks {ours}"
     if other[0] != mine[0]:
-        return (f"incompatible peer protocol version {theirs} (this daemon speaks {ours}; "
+        return (f"incompatible {who} protocol version {theirs} (this daemon speaks {ours}; "
                 f"the major versions {other[0]} and {mine[0]} differ)")
     return ""

@@ -20,6 +20,7 @@ from google.protobuf.message_factory import GetMessageClass
 from kvxfer_protocol.lane_frames import LANE_SUFFIX
 from kvxfer_protocol.limits import MAX_BATCH_CHUNKS
 from kvxfer_protocol.pb.kvxfer.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from kvxfer_protocol.version import PROTOCOL_VERSION, parse_protocol, protocol_mismatch
 from kvxferd import errors
 from kvxferd.buffers.gpu_rings import gpu_data_path, gpu_links
 from kvxferd.buffers.host_pool import POOL_SUFFIX
@@ -98,6 +99,21 @@ def wrap_servicer(obj: Any, service: str, metrics: Metrics, unary: tuple[str, ..
 
 
 _EMPTY_REGISTER = engine_pb2.RegisterEngineReply
+
+
+def _check_client_protocol(request: engine_pb2.RegisterEngineRequest) -> None:
+    """Refuses a client of another protocol MAJOR before anything is registered."""
+    theirs = request.protocol_version
+    if not theirs:
+        # A client older than this field. Accepted: engines keep running across a daemon upgrade
+        # and re-register with the new daemon; refusing them would turn an upgrade into an outage.
+        logger.warning("engine %r (group %r) sent no protocol version (a client older than protocol 1.0); "
+                       "accepted as %s", request.name[:MAX_ID], request.group[:MAX_ID], PROTOCOL_VERSION)
+        return
+    check_len("protocol_version", theirs, MAX_ID)
+    why = protocol_mismatch(theirs, who="engine client")
+    if why:
+        raise (errors.InvalidArgument if parse_protocol(theirs) is None else errors.FailedPrecondition)(why)
 _CODE_OK = grpc.StatusCode.OK.value[0]
 
 
@@ -126,6 +142,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         return unary, {"WatchRooms": (self.WatchRooms, engine_pb2.WatchRoomsRequest)}, frozenset({"AcquireSlot"})
 
     async def RegisterEngine(self, request: engine_pb2.RegisterEngineRequest, context: Any) -> engine_pb2.RegisterEngineReply:
+        _check_client_protocol(request)
         spec = engine_spec(request)
         node = self._node
         # Answer "pending" well inside the caller's deadline, whatever it is.

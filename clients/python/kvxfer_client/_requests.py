@@ -12,6 +12,7 @@ import grpc
 from kvxfer_client.errors import KvxferError
 from kvxfer_client.types import Chunk, Landed, Layout, Registration, RoomEvent, RoomState, RoomStatus
 from kvxfer_protocol.pb.kvxfer.v1 import common_pb2, engine_pb2
+from kvxfer_protocol.version import PROTOCOL_VERSION
 
 # enqueue_many over the lane sends a batch of at least twice this many chunks as pipelined calls
 # of this many each (measured: bench rpc, batches of 256).
@@ -27,6 +28,7 @@ def register_request(
         role=engine_pb2.Role.ValueType(role), group=group, layout=layout.to_pb(),
         parallel=common_pb2.Parallelism(tp_size=tp_size, tp_rank=tp_rank, pp_size=pp_size, pp_rank=pp_rank),
         ring_bytes=ring_bytes, lease_ms=lease_ms, name=name, zero_copy=zero_copy, claim_slots=claim_slots,
+        protocol_version=PROTOCOL_VERSION,
     )
     if cuda_ring is not None:
         req.cuda_ring.CopyFrom(engine_pb2.CudaIpcRing(**cuda_ring))
