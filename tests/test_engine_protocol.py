@@ -46,7 +46,7 @@ def test_register_engine_checks_the_client_protocol_major(daemons: Any) -> None:
     assert register(newer_minor, "newer-minor").engine_id  # a MINOR only adds what we may ignore
     assert register("", "old-client").engine_id
     warned = [line for line in d.log_text().splitlines() if "sent no protocol version" in line]
-    assert len(warned) == 1 and "'old-client'" in warned[0], warned
+    assert len(warned) == 1 and "WARNING" in warned[0] and "'old-client'" in warned[0], warned
     assert not any("newer-minor" in line and "WARNING" in line for line in d.log_text().splitlines())
 
     # The shipped client sends its version: it registers, and adds no warning.
