@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    "reference": ""}
         for role in ("reference", "prefill", "decode"):
             engines[role] = Engine(ctx, role, model, sockets[role], args)
-        starts = {role: e.wait("ready", ENGINE_START_S) for role, e in engines.items()}
+        starts = {role: e.wait("ready", args.engine_start_s) for role, e in engines.items()}
         n = args.new_tokens
         ref = engines["reference"].generate(prompts, [None] * len(prompts), n, args.timeout)
         engines["reference"].close()
@@ -237,6 +237,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--max-batched-tokens", type=int, default=64, help="vLLM's chunked prefill budget per step")
     ap.add_argument("--timeout", type=float, default=180.0)
+    ap.add_argument("--engine-start-s", type=float, default=ENGINE_START_S,
+                    help="how long the three engines may take to start (a loaded machine needs more)")
     ap.add_argument("--fault", choices=("none", "kill-prefill-daemon"), default="none")
     ap.add_argument("--kill-after-s", type=float, default=1.0)
     ap.add_argument("--json", type=Path, help="write the report here too")

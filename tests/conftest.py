@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from tests.readiness import Budget
+
 ROOT = Path(__file__).resolve().parent.parent
 # Tests that run real vLLM or sglang engines: each start takes both cores for tens of seconds, so
 # under `make test`'s two xdist workers they run one after another on one worker while the other
@@ -131,9 +133,10 @@ def stop_all(*ds: DaemonProc, timeout: float = 30.0) -> None:
         d.stop(timeout=timeout)
 
 
-def wait_ready(d: DaemonProc, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def wait_ready(d: DaemonProc, base_s: float = 60.0) -> None:
+    """Until the daemon writes its ready file; ``base_s`` on a quiet box, scaled with the load."""
+    b = Budget(f"daemon {d.name} (ready file {d.ready_file.name})", base_s)
+    while not b.expired():
         if d.ready_file.exists():
             d.info = json.loads(d.ready_file.read_text())
             return
@@ -141,7 +144,7 @@ def wait_ready(d: DaemonProc, timeout: float = 60.0) -> None:
             raise AssertionError(f"daemon {d.name} exited with {d.proc.returncode}:\n{d.log_text()[-4000:]}")
         time.sleep(0.02)
     d.kill()
-    raise AssertionError(f"daemon {d.name} not ready in {timeout} s:\n{d.log_text()[-4000:]}")
+    raise AssertionError(f"{b.failure()}:\n{d.log_text()[-4000:]}")
 
 
 @pytest.fixture
@@ -195,10 +198,13 @@ async def inproc(short_tmp: Path) -> AsyncIterator[Any]:
         got: asyncio.Future[Ready] = asyncio.get_running_loop().create_future()
         stop = asyncio.Event()
         task = asyncio.ensure_future(serve(cfg, stop, ready=lambda r: got.set_result(r)))
-        done, _ = await asyncio.wait([got, task], timeout=60, return_when=asyncio.FIRST_COMPLETED)
+        b = Budget(f"in-process daemon {name}", 60.0)
+        done, _ = await asyncio.wait([got, task], timeout=b.limit(), return_when=asyncio.FIRST_COMPLETED)
         if task in done:
             task.result()
             raise AssertionError("daemon exited before it was ready")
+        if not done:
+            raise AssertionError(b.failure())
         r = got.result()
         d = InProcDaemon(r.socket, r.peer_address, r.metrics_port, r.daemon_id, stop, task)
         running.append(d)

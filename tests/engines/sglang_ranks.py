@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from tests.readiness import Budget, wait_for
+
 LAYERS, TOTAL_HEADS, HEAD_DIM, PAGE, POOL_PAGES, AUX_BYTES = 2, 2, 8, 4, 64, 16
 DTYPE = torch.bfloat16
 
@@ -129,14 +131,11 @@ def _wait(obj: Any, want: set[int], timeout: float = 60.0) -> int:
         time.sleep(0.001)  # sglang polls once per scheduler step
 
 
-def _ensure_route(mgr: Any, addr: str, timeout: float = 60.0) -> None:
+def _ensure_route(mgr: Any, addr: str, base_s: float = 60.0) -> None:
     """As sglang's decode prealloc queue does before it inits a receiver: asks until the prefill
     instance has registered its route (it may start after this rank)."""
-    deadline = time.monotonic() + timeout
-    while not mgr.try_ensure_parallel_info(addr):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no kvxferd route from the prefill bootstrap server {addr} in {timeout} s")
-        time.sleep(0.05)
+    wait_for(f"kvxferd route from the prefill bootstrap server {addr}", lambda: bool(mgr.try_ensure_parallel_info(addr)),
+             base_s, every=0.05)
 
 
 def prefill_rank(socket: str, port: int, tp: int, rank: int, plans: list[RoomPlan], out: Any) -> None:
@@ -269,10 +268,12 @@ def run_ranks(targets: list[tuple[Any, tuple[Any, ...]]], timeout: float) -> lis
         for proc in procs:
             proc.start()
         while len(got) < len(procs):
+            # Each result may take `timeout` on a quiet box (the first includes engine start-up).
+            b = Budget(f"a result from {len(procs) - len(got)} of {len(procs)} ranks", timeout)
             try:
-                got.append(out.get(timeout=timeout))
+                got.append(out.get(timeout=b.limit()))
             except queue.Empty:
-                raise TimeoutError(f"ranks did not finish; got {got}") from None
+                raise TimeoutError(b.failure(f"got {got}")) from None
     finally:
         for proc in procs:
             proc.join(10)
