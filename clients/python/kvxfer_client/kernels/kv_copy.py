@@ -169,7 +169,8 @@ class KVPages:
         k_layers: per-layer K ``[num_slots, local_heads, head_dim]`` (or the MLA latent,
             2-D or with one head). All layers share shape, strides, dtype and device;
             ``head_dim`` must be contiguous; layers may be separate allocations or views
-            of one buffer.
+            of one buffer. Or block-major ``[num_pages, local_heads, page_size, head_dim]``
+            planes of one shape and any strides (each call's ``page_size`` must match).
         v_layers: per-layer V, same shape as K; ``None`` for MLA (one plane).
         staging_bytes: GPU buffer for the staged host path (see module doc); 0 disables it.
     """
@@ -276,6 +277,12 @@ class KVPages:
         """Write a slot's tokens into pages; see :func:`scatter_kv`."""
         call = self._validate(page_ids, num_tokens, token_offset, page_size, src, head_start, num_heads)
         self._copy("scatter", call, backend, tile)
+
+    def settle(self) -> None:
+        """Returns once the copies enqueued on the caller's stream have run, so the slot may go to
+        the daemon (gather) or back to it (scatter) at once. A no-op for CPU KV."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     # -- internals -----------------------------------------------------------
 

@@ -77,9 +77,13 @@ class PagedBuffers:
     def gather(self, pages: Sequence[int], dst: torch.Tensor) -> None:
         """Pages (every layer and plane) into a slot ``[H, L, planes, T, head_bytes]``."""
         self.kv.gather(self._ids(pages), len(pages) * self.page_size, self.page_size, dst, backend=self._backend)
+        # GPU copies are asynchronous; the slot goes to the daemon right after.
+        self.kv.settle()
 
     def scatter(self, pages: Sequence[int], src: torch.Tensor) -> None:
         self.kv.scatter(self._ids(pages), len(pages) * self.page_size, self.page_size, src, backend=self._backend)
+        # GPU copies are asynchronous; the slot is watermarked (freed) right after.
+        self.kv.settle()
 
     @staticmethod
     def _ids(pages: Sequence[int]) -> torch.Tensor:

@@ -108,6 +108,8 @@ class CacheShape:
         backend: Backend = "auto" if kv.device.type == "cuda" else "torch"
         fn = kv.gather if kind == "gather" else kv.scatter
         fn(ids, end - start, self.kernel_block_size, slot, token_offset=offset, backend=backend)
+        # GPU copies are asynchronous; the caller hands the slot to the daemon (or frees it) next.
+        kv.settle()
 
     def layout(self) -> Layout:
         return Layout(
