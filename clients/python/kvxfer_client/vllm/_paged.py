@@ -94,6 +94,11 @@ class CacheShape:
     kernel_block_size: int  # tokens per block of the cache tensors
     dtype: torch.dtype
 
+    def __post_init__(self) -> None:
+        # Checked when the caches are registered: a cache the copy cannot take stops the engine at
+        # start, not at its first transfer.
+        _ = self.pages
+
     @functools.cached_property
     def pages(self) -> KVPages:
         """The client's one paged-KV copy over every layer's planes (the sglang adapter's too)."""
