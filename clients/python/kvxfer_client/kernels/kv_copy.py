@@ -2,12 +2,14 @@
 
 Engine side: per layer a K and a V tensor ``[num_slots, local_heads, head_dim]``
 (MLA: one latent tensor per layer, ``[num_slots, 1, width]`` or
-``[num_slots, width]``), or block-major planes ``[num_pages, local_heads, page_size, head_dim]``
-with any strides (vLLM's caches as ``kvxfer_client.vllm._paged.kv_planes`` sees them; the
-torch reference copies those unless they are one slot row per token, which Triton takes). Page ``p`` is slots ``[p * page_size, (p + 1) * page_size)``; with ``j = token_offset + i``,
+``[num_slots, width]``). Page ``p`` is slots ``[p * page_size, (p + 1) * page_size)``; with ``j = token_offset + i``,
 token ``i`` of a chunk lives in slot ``page_ids[j // page_size] * page_size + j % page_size``:
 a chunk may start in the middle of its first page (chunked prefill cut by a token budget) and
 end in the middle of its last one; only its own tokens are read or written.
+Or block-major planes ``[num_pages, local_heads, page_size, head_dim]`` of any strides (vLLM's
+caches as ``kvxfer_client.vllm._paged.kv_planes`` sees them): token ``i`` is then row
+``j % page_size`` of page ``page_ids[j // page_size]``. Token-major pages are slots as above
+(Triton copies them); others, such as CPU_ATTN's transposed K, go through the torch reference.
 
 Slot side (see docs/contracts.md): ``[heads, layers, planes, tokens, head_dim]``
 contiguous, planes = (K, V) or just the latent. With a head sub-range the slot
