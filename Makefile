@@ -8,10 +8,11 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 PIP_INSTALL := $(PIP) install --no-compile
 SGLANG_VERSION := 0.5.23
-# The suite runs on two xdist workers: much of it waits (daemons, deadlines, heartbeats), so a second
-# worker uses that time. A module's tests stay together and in order; tests of real engines are one
-# unit on one worker (tests/conftest.py). PYTEST_WORKERS= runs it serially.
-PYTEST_WORKERS ?= -n 2 --dist loadscope
+# PYTEST_WORKERS="-n 2 --dist loadscope" runs the suite on two xdist workers (a module's tests stay
+# together; tests of real engines are one unit on one worker: tests/conftest.py). A quiet clean-clone
+# rehearsal with it took 23:56 of tests against ~26-27 min serially, and test_fleet_run hung in its
+# registry lookup (300 s timeout) in 2 of 3 such runs, never serially: serial until that is understood.
+PYTEST_WORKERS ?=
 
 .PHONY: install install-test run test lint proto clean
 

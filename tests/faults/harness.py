@@ -678,7 +678,7 @@ def record_timing(fault: str, what: str, seconds: Sequence[float], note: str = "
 
 
 _FAILED_RE = re.compile(
-    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ kvxferd\.\w+ \[[^\]]*\] room (\d+)\.(\d+): "
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ kvxferd(?:\.\w+)+ \[[^\]]*\] room (\d+)\.(\d+): "
     r"(prefill|decode) side FAILED \((\w+)\): (.*)$"
 )
 

@@ -262,8 +262,10 @@ def test_kill9_engine_mid_room(pair: Pair, fleet: Fleet, victim_role: str) -> No
     lease_ms = 2000  # 1 s lapsed for live engines starved of CPU on a loaded 2-core machine
     g = f"k{victim_role[0]}"
     rooms = plans(500 if victim_role == "prefill" else 600, 12, [16] * 8)
-    # A room takes ~3 s to send, longer than the lease: it cannot finish before the lease lapses.
-    pv, dv = jobs(pre, dec, g, rooms, lease_ms=lease_ms, chunk_delay_s=0.4, p_in_flight=3, d_in_flight=6)
+    # A room takes ~6 s to send, longer than the lease: it cannot finish before the lease lapses, nor
+    # in the seconds a loaded CI worker may take between seeing it mid-transfer and the kill (at
+    # ~3 s a room, every room in flight once finished first under two xdist workers).
+    pv, dv = jobs(pre, dec, g, rooms, lease_ms=lease_ms, chunk_delay_s=0.8, p_in_flight=3, d_in_flight=6)
     others = plans(700 if victim_role == "prefill" else 800, 16, [16] * 4)
     po, do = jobs(pre, dec, f"{g}o", others, in_flight=2, chunk_delay_s=0.05)
     fleet.start(dv, do)
