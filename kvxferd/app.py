@@ -96,7 +96,7 @@ def make_transport(config: Config, name: str, injector: FaultInjector | None = N
         injector = FaultInjector()
     with _ucx_devices(config):
         return NixlTransport(name, progress_thread=config.nixl_progress_thread, fault_injector=injector,
-                             num_workers=config.transfer_workers)
+                             num_workers=config.transfer_workers, backend=config.nixl_backend)
 
 
 @contextlib.contextmanager

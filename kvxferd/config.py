@@ -220,6 +220,9 @@ class Config:
     fault_injection: bool = False
     # "nixl" (default) or "local" (in-process copies; unit tests only).
     transport: str = "nixl"
+    # The NIXL backend plugin the agent moves bytes with (kvxferd.transports.nixl); only "UCX" is tested
+    # (docs/transports.md). One the installed NIXL does not offer stops the start, naming those it does.
+    nixl_backend: str = "UCX"
     # How GPU engines should stage chunks here: "vram" (CUDA IPC rings, VRAM over NIXL), "host"
     # (pinned host-pool rings, DRAM over NIXL) or "auto" (probe once what UCX can do with VRAM).
     data_path: str = "auto"
@@ -273,6 +276,8 @@ class Config:
             raise ConfigError(f"data_path must be auto|host|vram, got {self.data_path!r}")
         if self.transport not in ("nixl", "local"):
             raise ConfigError(f"transport must be nixl|local, got {self.transport!r}")
+        if not re.fullmatch(r"[A-Za-z0-9_]{1,64}", self.nixl_backend):
+            raise ConfigError(f"nixl_backend must be a NIXL plugin name like UCX, got {self.nixl_backend!r}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("tls_cert and tls_key must be given together")
         if self.tls_client_auth and not (self.tls_ca and self.tls_cert):

@@ -15,7 +15,7 @@ def test_defaults_validate(short_tmp: Path) -> None:
     assert cfg.peer_listen == "127.0.0.1:7471"
     assert cfg.metrics_host == "127.0.0.1"
     assert cfg.socket_mode == 0o600
-    assert cfg.transport == "nixl"
+    assert cfg.transport == "nixl" and cfg.nixl_backend == "UCX"
 
 
 def test_precedence_file_env_flags(short_tmp: Path) -> None:
@@ -46,6 +46,8 @@ def test_precedence_file_env_flags(short_tmp: Path) -> None:
         ("heartbeat_misses = 1000\n", "heartbeat_misses must be 1..100"),
         ('max_message_bytes = "64GiB"\n', "max_message_bytes must be 65536..2147483647"),
         ("slow_peer_limit_s = -1\n", "slow_peer_limit_s must be 0..3600"),
+        ('nixl_backend = "UCX;rm"\n', "nixl_backend must be a NIXL plugin name like UCX"),
+        ('nixl_backend = ""\n', "nixl_backend must be a NIXL plugin name"),
     ],
 )
 def test_bad_values_have_clear_messages(short_tmp: Path, content: str, needle: str) -> None:

@@ -101,10 +101,11 @@ def _as_str(name: str | bytes) -> str:
 
 
 class NixlTransport:
-    """One NIXL agent (UCX backend) for the whole daemon; safe to use from several threads."""
+    """One NIXL agent (UCX backend unless `backend` names another) for the whole daemon; safe to use
+    from several threads."""
 
     def __init__(self, name: str, progress_thread: bool = False,
-                 fault_injector: FaultInjector | None = None, num_workers: int = 1) -> None:
+                 fault_injector: FaultInjector | None = None, num_workers: int = 1, backend: str = "UCX") -> None:
         apply_ucx_env_defaults()
         try:
             api = nixl_api()
@@ -121,15 +122,20 @@ class NixlTransport:
             ))
         except Exception as exc:
             raise TransportError(f"cannot create NIXL agent {name!r}: {exc}") from exc
-        if "UCX" not in self._agent.plugin_list:
-            raise TransportError("NIXL has no UCX backend here (plugin missing); cannot move data")
+        offered = sorted(_as_str(p) for p in self._agent.plugin_list)
+        if backend not in offered:
+            raise TransportError(f"NIXL offers no backend {backend!r} here (nixl_backend); it offers: "
+                                 f"{', '.join(offered) or 'none'}")
+        self.backend = backend
         try:
             # One UCX worker per posting thread: NIXL binds each thread that prepares a transfer
             # to the next worker in turn, so threads that post (kvxferd.datapath.workers) copy in parallel
-            # instead of queueing on one worker's lock.
-            self._agent.create_backend("UCX", {"num_workers": str(num_workers)})
+            # instead of queueing on one worker's lock. Other plugins get their defaults: an option a
+            # plugin does not declare is refused by it.
+            params = {"num_workers": str(num_workers)} if backend == "UCX" else {}
+            self._agent.create_backend(backend, params)
         except Exception as exc:
-            raise TransportError(f"cannot create the UCX backend of NIXL agent {name!r}: {exc}") from exc
+            raise TransportError(f"cannot create the {backend} backend of NIXL agent {name!r}: {exc}") from exc
         # The data path calls NIXL's bindings under the Python API (same calls, same order): a WRITE
         # is five NIXL calls, and each wrapper's argument checks and handle object ran under the GIL
         # that every transfer thread and the event loop share, per WRITE.
@@ -149,7 +155,7 @@ class NixlTransport:
         self._regions: dict[int, tuple[Any, int, str, int]] = {}  # addr -> (reg dlist, length, mem, device)
         self._remotes: dict[str, bytes] = {}  # name -> metadata as loaded
         self._closed = False
-        logger.info("NIXL agent %s ready (UCX, %d worker%s, progress thread %s)", name, num_workers,
+        logger.info("NIXL agent %s ready (%s, %d worker%s, progress thread %s)", name, backend, num_workers,
                     "" if num_workers == 1 else "s", "on" if progress_thread else "off")
 
     # -- control path (serialised by self._ctl) -------------------------------------------
