@@ -1,13 +1,11 @@
 """A fleet on loopback: KVX_FLEET_DAEMONS (default 8) daemons in one etcd, half serving a prefill
 group each and half a decode group, rooms routed by group between every pair, one prefill
 daemon killed (-9) and restarted mid-run. Rooms not involving it succeed byte-exact, its rooms
-fail fast with PEER_LOST, nothing leaks. Prints lookup latency from the cache and from cold."""
+fail fast with PEER_LOST, nothing leaks."""
 
 from __future__ import annotations
 
-import asyncio
 import os
-import statistics
 import time
 from typing import Any
 
@@ -16,10 +14,6 @@ import pytest
 
 from kvxfer_client import DecodeReceiver, RoomState
 from kvxfer_protocol.pb.kvxfer.v1 import engine_pb2, engine_pb2_grpc
-from kvxferd.config import load_config
-from kvxferd.fleet.etcd import EtcdRegistry
-from kvxferd.fleet.registry import DaemonRecord
-from kvxferd.ops.metrics import Metrics
 from tests.conftest import wait_ready
 from tests.registry.conftest import Etcd, registry_args
 from tests.registry.test_fleet_e2e import LAYOUT, receive_exact, send_room, sender, wait_for
@@ -30,26 +24,6 @@ pytestmark = pytest.mark.slow
 def status(sock: str) -> engine_pb2.DaemonStatus:
     with grpc.insecure_channel(f"unix:{sock}") as ch:
         return engine_pb2_grpc.EngineStub(ch).GetStatus(engine_pb2.GetStatusRequest(), timeout=5)
-
-
-async def lookup_latency(endpoint: str, groups: list[str]) -> tuple[float, float, float]:
-    """(cold: start to first answer, cache p50, cache p99) of a fresh registry client, in seconds."""
-    cfg = load_config(None, env={}, overrides={
-        "registry_backend": "etcd", "registry_endpoints": endpoint, "socket": "/tmp/kvx-reg-test/x.sock"})
-    me = DaemonRecord("probe", "probe-1", "127.0.0.1:1", "n", "0", time.time())
-    reg = EtcdRegistry(cfg, lambda: me, lambda *a: None, Metrics())
-    t0 = time.perf_counter()
-    await reg.start()
-    await reg.resolve_group(groups[0], "prefill", time.monotonic() + 10)
-    cold = time.perf_counter() - t0
-    samples = []
-    for i in range(2000):
-        t = time.perf_counter()
-        await reg.resolve_group(groups[i % len(groups)], "prefill", time.monotonic() + 1)
-        samples.append(time.perf_counter() - t)
-    await reg.stop()
-    samples.sort()
-    return cold, statistics.median(samples), samples[int(len(samples) * 0.99)]
 
 
 def test_fleet_run(etcd: Etcd, daemons: Any) -> None:
@@ -111,7 +85,9 @@ def test_fleet_run(etcd: Etcd, daemons: Any) -> None:
     tx[0] = sender(pre[0], "pg0")
     full_round(3)
 
-    cold, p50, p99 = asyncio.run(lookup_latency(etcd.endpoint, [f"pg{i}" for i in range(half)]))
+    # Lookup latency is measured by the fleet bench (bench/device/gpu_fleet.sh), not here: a fresh
+    # grpc.aio registry client in a new event loop of this test process, after earlier tests' loops,
+    # hung in 3 of 4 suite runs (never alone; daemons run one loop per process).
     for c in (*tx, *rx):
         c.close()
     # Nothing leaks: no slot held and no room left on any daemon once the engines are gone.
@@ -121,6 +97,5 @@ def test_fleet_run(etcd: Etcd, daemons: Any) -> None:
         active = {k: v for k, v in st.rooms_by_state.items() if v and k not in ("SUCCESS", "FAILED")}
         assert not active, f"{d.name}: rooms left {active}"
     print(f"\nfleet run: {n} daemons started in {started:.1f} s; round 1: {len(pairs)} rooms in {round1:.2f} s; "
-          f"rooms of the killed daemon failed {min(fail_s):.2f}-{max(fail_s):.2f} s after kill -9; "
-          f"lookup cold {cold * 1000:.1f} ms, cached p50 {p50 * 1e6:.1f} us p99 {p99 * 1e6:.1f} us")
+          f"rooms of the killed daemon failed {min(fail_s):.2f}-{max(fail_s):.2f} s after kill -9")
     assert max(fail_s) < 3.0
