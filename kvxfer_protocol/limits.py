@@ -9,3 +9,6 @@ MAX_CHUNK_ID = 1 << 20
 MAX_AUX_BYTES = 64 << 10
 # Chunks one EnqueueChunks call may carry (the daemon refuses more with INVALID_ARGUMENT).
 MAX_BATCH_CHUNKS = 4096
+# Layers a layer-wise chunk may name (layer parts, protocol 1.1): so at most this many parts a chunk
+# per writer, and a per-(writer, chunk) layer mask stays a small int.
+MAX_LAYERS = 1024

@@ -14,6 +14,12 @@ GQA head placement (mirrors what the engines do):
 
 MLA has a single latent "head" replicated everywhere, which is the
 ``total == 1`` case of the replication rule: writer 0 sends to every reader.
+
+Layer parts (protocol 1.1, docs/design/layerwise.md §1): a layer-wise chunk's slot is
+group-major ``[groups, local_heads, layers_in_group, planes, tokens, head_dim]`` with ``g``
+layers a group (the last group may be short). ``g >= layers`` is one group: today's bytes
+exactly. Group ``j`` starts at ``j * g * heads * b`` and head ``h`` inside it at ``h * g_j * b``
+(``b``: one head's one layer), so a head slice of one group is still one byte range.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import functools
 import logging
 from dataclasses import dataclass
 
+from kvxfer_protocol.limits import MAX_LAYERS
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -29,7 +37,12 @@ __all__ = [
     "KVLayout",
     "RankHeads",
     "bytes_per_head",
+    "check_part",
+    "group_of",
+    "group_span",
+    "layer_bytes",
     "part_bytes",
+    "part_runs",
     "plan",
     "rank_heads",
 ]
@@ -162,3 +175,71 @@ def part_bytes(layout: KVLayout, tp_size: int, rank: int, num_tokens: int) -> in
     """Size of ``rank``'s whole part of a ``num_tokens`` chunk."""
     heads = rank_heads(layout.total_kv_heads, tp_size, rank, layout.mla)
     return heads.count * bytes_per_head(layout, num_tokens)
+
+
+def layer_bytes(layout: KVLayout, num_tokens: int) -> int:
+    """Bytes one KV head's one layer occupies in a slot: planes * tokens * head_dim * dtype."""
+    _check_positive("num_tokens", num_tokens)
+    return layout.planes * num_tokens * layout.head_dim * layout.dtype_bytes
+
+
+def group_of(num_layers: int, layer_group: int) -> int:
+    """Layers per group as the slot is laid out: 0 or >= num_layers is one group (today's layout)."""
+    return num_layers if layer_group <= 0 or layer_group >= num_layers else layer_group
+
+
+def group_span(num_layers: int, layer_group: int, j: int) -> tuple[int, int]:
+    """(first layer, layers in it) of group ``j``; only the last group may be short."""
+    g = group_of(num_layers, layer_group)
+    first = j * g
+    if not 0 <= first < num_layers:
+        raise ValueError(f"group {j} is outside {num_layers} layers of {g} a group")
+    return first, min(g, num_layers - first)
+
+
+def check_part(num_layers: int, layer_group: int, layer_start: int, layer_end: int) -> str:
+    """Why a part's layer fields do not fit a model of ``num_layers`` layers, or "" when they do.
+
+    0/0/0 is the whole chunk; ``layer_start == layer_end == num_layers`` is the chunk's seal (no
+    bytes); else ``[layer_start, layer_end)`` is non-empty, starts on a group boundary and ends on
+    one or at ``num_layers``."""
+    if layer_group == layer_start == layer_end == 0:
+        return ""
+    if num_layers > MAX_LAYERS:
+        return f"layer parts need at most {MAX_LAYERS} layers, the model has {num_layers}"
+    if not 0 < layer_group <= MAX_LAYERS:
+        return f"layer_group must be in [1, {MAX_LAYERS}] for a layer part, got {layer_group}"
+    if layer_start == layer_end == num_layers:
+        return ""
+    if not 0 <= layer_start < layer_end <= num_layers:
+        return f"layers [{layer_start}, {layer_end}) are not a non-empty range of the {num_layers} layers"
+    g = group_of(num_layers, layer_group)
+    if layer_start % g or (layer_end % g and layer_end != num_layers):
+        return f"layers [{layer_start}, {layer_end}) do not start and end on groups of {g} layers"
+    return ""
+
+
+@functools.lru_cache(maxsize=4096)
+def part_runs(num_layers: int, layer_group: int, layer_start: int, layer_end: int, per_layer: int,
+              src_heads: int, dst_heads: int, src_head: int, dst_head: int,
+              num_heads: int) -> tuple[tuple[int, int, int], ...]:
+    """(src offset, dst offset, length) byte runs copying heads ``[src_head, +num_heads)`` of a
+    writer's part (``src_heads`` local heads) to ``[dst_head, +num_heads)`` of a reader's part
+    (``dst_heads``) for layers ``[layer_start, layer_end)`` (validated: check_part); offsets are
+    relative to the two parts' starts. ``per_layer``: layer_bytes. One run a group, adjacent
+    groups joined where contiguous on both sides (whole heads, ``num_heads == src_heads ==
+    dst_heads``); layers 0/0 and the one-group layout give today's single run."""
+    g = group_of(num_layers, layer_group)
+    if layer_start == layer_end == 0:
+        layer_end = num_layers
+    runs: list[tuple[int, int, int]] = []
+    for j in range(layer_start // g, -(-layer_end // g)):
+        first, g_j = group_span(num_layers, g, j)
+        src = first * src_heads * per_layer + src_head * g_j * per_layer
+        dst = first * dst_heads * per_layer + dst_head * g_j * per_layer
+        length = num_heads * g_j * per_layer
+        if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + length)
+        else:
+            runs.append((src, dst, length))
+    return tuple(runs)

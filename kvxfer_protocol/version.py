@@ -8,7 +8,9 @@ what an older peer may ignore (new optional fields, new messages it is never sen
 from __future__ import annotations
 
 PACKAGE_VERSION = "0.1.0"
-PROTOCOL_VERSION = "1.0"
+# 1.1: layer parts (EnqueueChunkRequest.layer_*, RegisterEngineRequest/Bootstrap.layer_parts,
+# LandedChunk.layer_*, "kvx4" notifications), all opt-in: a 1.0 peer or engine never sees them.
+PROTOCOL_VERSION = "1.1"
 
 
 def parse_protocol(version: str) -> tuple[int, int] | None:

@@ -38,3 +38,37 @@ def test_one_malformed_part_drops_the_whole_notification() -> None:
         assert decode_notifs(join_notifs([good, bad])) is None, bad
     assert decode_notifs(join_notifs([good] * (MAX_PARTS + 1))) is None
     assert decode_notifs(join_notifs([good] * MAX_PARTS)) is not None
+
+
+def _part(chunk: int, group: int, lo: int, hi: int) -> ChunkSpec:
+    return ChunkSpec(RoomKey(0, 0), chunk_id=chunk, token_start=0, num_tokens=16, slot=SlotRef(0, 0), last=False,
+                     aux=b"", layer_group=group, layer_start=lo, layer_end=hi)
+
+
+def test_whole_chunk_stays_kvx3_and_a_part_is_kvx4() -> None:
+    whole = encode_notif(RoomKey(7, 3), _spec(2, 32, 16), 1, 0, credit_id=9, offset=64, token=TOKEN)
+    assert whole == b"kvx3 7 3 2 1 0 32 16 0 9 64 " + TOKEN.hex().encode()  # byte-identical to protocol 1.0
+    part = encode_notif(RoomKey(7, 3), _part(2, 4, 8, 12), 1, 0, credit_id=9, offset=64, token=TOKEN)
+    assert part == b"kvx4 7 3 2 1 0 0 16 0 9 64 " + TOKEN.hex().encode() + b" 4 8 12"
+    assert decode_notif(part) == Notif(RoomKey(7, 3), 2, 1, 0, 0, 16, False, 9, 64, TOKEN, 4, 8, 12)
+    # Merged adjacent parts of one chunk report their joined range in one entry.
+    merged = encode_notif(RoomKey(7, 3), _part(2, 4, 8, 12), 1, 0, token=TOKEN, layers=(0, 16))
+    n = decode_notif(merged)
+    assert n is not None and (n.layer_group, n.layer_start, n.layer_end) == (4, 0, 16)
+    # kvx3 means the whole chunk: no layer fields.
+    w = decode_notif(whole)
+    assert w is not None and (w.layer_group, w.layer_start, w.layer_end) == (0, 0, 0)
+    both = decode_notifs(join_notifs([whole, part]))
+    assert both is not None and [x.layer_end for x in both] == [0, 12]
+
+
+def test_malformed_kvx4_entries_are_dropped() -> None:
+    good = encode_notif(RoomKey(5, 1), _part(0, 4, 0, 4), 0, 0, token=TOKEN)
+    head = good.rsplit(b" ", 3)[0]
+    for tail in (b" 4 4 4", b" 4 8 4", b" 0 0 4", b" 4 0 1025", b" 1025 0 4", b" 4 0", b" 4 0 4 4", b" 4 -1 4",
+                 b" 4 a 4"):
+        assert decode_notifs(join_notifs([good, head + tail])) is None, tail
+    # A kvx3 entry with layer fields, or a kvx4 one without, is malformed.
+    assert decode_notif(good.replace(b"kvx4", b"kvx3")) is None
+    assert decode_notif(head.replace(b"kvx4", b"kvx3")) is not None
+    assert decode_notif(head) is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvxfer_protocol.limits import MAX_LAYERS
 from kvxfer_protocol.pb.kvxfer.v1 import common_pb2, engine_pb2, peer_pb2
 from kvxfer_protocol.slot_layout import KVLayout
 from kvxferd.buffers.host_pool import Watermark
@@ -77,7 +78,7 @@ def engine_spec(req: engine_pb2.RegisterEngineRequest) -> EngineSpec:
     return EngineSpec(
         role=Role(req.role), group=req.group, layout=lay, parallel=parallel, ring_bytes=req.ring_bytes,
         cuda_ring=cuda, lease_ms=req.lease_ms, name=req.name, zero_copy=req.zero_copy,
-        claim_slots=req.claim_slots,
+        claim_slots=req.claim_slots, layer_parts=req.layer_parts,
     )
 
 
@@ -87,6 +88,17 @@ def chunk_spec(req: engine_pb2.EnqueueChunkRequest) -> ChunkSpec:
     if not req.HasField("room"):
         raise InvalidArgument("room is required")
     pages = req.pages
+    group, start, end = req.layer_group, req.layer_start, req.layer_end
+    if group or start or end:
+        # The model's layer count is the sender's to check (kvxfer_protocol.slot_layout.check_part).
+        if max(group, end) > MAX_LAYERS or start > end:
+            raise InvalidArgument(f"layer part [{start}, {end}) of groups of {group} layers: out of range")
+        if start == end:  # the seal: no bytes, so neither slot nor pages
+            if pages or req.HasField("slot") or req.claim:
+                raise InvalidArgument("a seal (layer_start == layer_end) carries no slot, pages or claim")
+            room = req.room
+            return ChunkSpec(RoomKey(room.id, room.generation), req.chunk_id, req.token_start, req.num_tokens,
+                             SlotRef(0, 0), req.last, req.aux, (), 0, group, start, end)
     if pages:
         if len(pages) > MAX_PAGES:
             raise InvalidArgument(f"at most {MAX_PAGES} pages per chunk")
@@ -97,7 +109,19 @@ def chunk_spec(req: engine_pb2.EnqueueChunkRequest) -> ChunkSpec:
         page_ids = ()
     room, slot = req.room, req.slot
     return ChunkSpec(RoomKey(room.id, room.generation), req.chunk_id, req.token_start, req.num_tokens,
-                     SlotRef(slot.offset, slot.length), req.last, req.aux, page_ids, req.claim)
+                     SlotRef(slot.offset, slot.length), req.last, req.aux, page_ids, req.claim, group, start, end)
+
+
+def chunk_spec_pb(c: ChunkSpec) -> engine_pb2.EnqueueChunkRequest:
+    """The request an engine sends for `c` (tests, tools); the reverse of chunk_spec."""
+    req = engine_pb2.EnqueueChunkRequest(
+        room=room_key_pb(c.room), chunk_id=c.chunk_id, token_start=c.token_start, num_tokens=c.num_tokens,
+        last=c.last, aux=c.aux, pages=list(c.pages), claim=c.claim, layer_group=c.layer_group,
+        layer_start=c.layer_start, layer_end=c.layer_end,
+    )
+    if not c.pages and not c.is_seal:
+        req.slot.CopyFrom(common_pb2.Slot(offset=c.slot.offset, length=c.slot.length))
+    return req
 
 
 def zero_copy_target(pb: peer_pb2.ZeroCopyTarget) -> ZeroCopyTarget:
@@ -115,7 +139,15 @@ def landed_pb(c: LandedChunk) -> engine_pb2.LandedChunk:
     return engine_pb2.LandedChunk(
         chunk_id=c.chunk_id, slot=common_pb2.Slot(offset=c.slot.offset, length=c.slot.length),
         token_start=c.token_start, num_tokens=c.num_tokens, last=c.last, chunk_bytes=c.chunk_bytes,
+        layer_group=c.layer_group, layer_start=c.layer_start, layer_end=c.layer_end,
+        chunk_complete=c.chunk_complete,
     )
+
+
+def landed_chunk(pb: engine_pb2.LandedChunk) -> LandedChunk:
+    """The reverse of landed_pb (tests, tools)."""
+    return LandedChunk(pb.chunk_id, SlotRef(pb.slot.offset, pb.slot.length), pb.token_start, pb.num_tokens,
+                       pb.last, pb.chunk_bytes, pb.layer_group, pb.layer_start, pb.layer_end, pb.chunk_complete)
 
 
 def room_status_pb(v: RoomView) -> engine_pb2.RoomStatus:

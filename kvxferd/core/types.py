@@ -115,6 +115,8 @@ class EngineSpec:
     zero_copy: bool = False
     # Asked for claimed slots (RegisterEngineRequest.claim_slots); granted to slot-ring senders.
     claim_slots: bool = False
+    # A decode engine that scatters group-major slots (RegisterEngineRequest.layer_parts).
+    layer_parts: bool = False
 
 
 @quick_init
@@ -139,6 +141,19 @@ class ChunkSpec:
     pages: tuple[int, ...] = ()
     # The engine's tag for a slot it cut out of its ring itself; 0: a slot from AcquireSlot.
     claim: int = 0
+    # A layer part (docs/design/layerwise.md): layers [layer_start, layer_end) of a group-major slot
+    # of layer_group layers a group. 0/0/0: the whole chunk; layer_start == layer_end == L: the seal.
+    layer_group: int = 0
+    layer_start: int = 0
+    layer_end: int = 0
+
+    @property
+    def is_part(self) -> bool:
+        return bool(self.layer_group or self.layer_end)
+
+    @property
+    def is_seal(self) -> bool:
+        return self.layer_end != 0 and self.layer_start == self.layer_end
 
 
 @quick_init
@@ -150,6 +165,12 @@ class LandedChunk:
     num_tokens: int
     last: bool
     chunk_bytes: int
+    # The slot's layers a group (0: one group) and, in a layer_progress event, the layers that
+    # landed; chunk_complete: every layer of the chunk is held (PollRoom lists only those).
+    layer_group: int = 0
+    layer_start: int = 0
+    layer_end: int = 0
+    chunk_complete: bool = True
 
 
 @quick_init

@@ -8,6 +8,8 @@ the Bootstrap), so that a notification counts only from the writer whatever agen
 sender states, zero-copy rooms (no credit) included.
 One WRITE may carry several parts of a chunk (one per reader on the same daemon): its
 notification then lists them all, separated by ";", and each is checked on its own.
+A layer part (protocol 1.1) is a "kvx4" entry: kvx3's fields, then layer_group layer_start
+layer_end; a whole chunk stays a kvx3 entry (byte-identical to 1.0), which means layers [0, L).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
+from kvxfer_protocol.limits import MAX_LAYERS
 from kvxferd.core.peer_port import Link
 from kvxferd.core.types import ChunkSpec, RoomKey
 from kvxferd.ops.metrics import Metrics
@@ -27,6 +30,7 @@ from kvxferd.ops.metrics import Metrics
 logger = logging.getLogger(__name__)
 
 NOTIF_PREFIX = b"kvx3"  # kvx2 had no token: a daemon that sends it is refused at Bootstrap already
+PART_PREFIX = b"kvx4"  # a layer part: kvx3 + layer_group layer_start layer_end
 PART_SEP = b";"
 # More parts than any TP degree gives one chunk on one daemon: a longer list is malformed.
 MAX_PARTS = 1024
@@ -52,6 +56,11 @@ class Notif:
     credit_id: int = NO_CREDIT
     offset: int = 0
     token: bytes = b""
+    # A kvx4 entry's layers [layer_start, layer_end) of a slot with layer_group layers a group;
+    # all 0 for a kvx3 entry: the whole chunk.
+    layer_group: int = 0
+    layer_start: int = 0
+    layer_end: int = 0
 
 
 def new_token() -> bytes:
@@ -60,26 +69,40 @@ def new_token() -> bytes:
 
 
 def encode_notif(key: RoomKey, spec: ChunkSpec, writer: int, reader: int, credit_id: int = NO_CREDIT,
-                 offset: int = 0, *, token: bytes) -> bytes:
-    """`token`: the room's, from its Bootstrap."""
-    return b"%s %d %d %d %d %d %d %d %d %d %d %s" % (
-        NOTIF_PREFIX, key.id, key.generation, spec.chunk_id, writer, reader, spec.token_start, spec.num_tokens,
+                 offset: int = 0, *, token: bytes, layers: tuple[int, int] | None = None) -> bytes:
+    """`token`: the room's, from its Bootstrap. `layers`: the [start, end) this entry reports when
+    it is not the spec's own (merged adjacent parts of one chunk); a whole chunk is a kvx3 entry."""
+    head = b"%d %d %d %d %d %d %d %d %d %d %s" % (
+        key.id, key.generation, spec.chunk_id, writer, reader, spec.token_start, spec.num_tokens,
         int(spec.last), credit_id, offset, token.hex().encode(),
     )
+    if not spec.layer_group and not spec.layer_end:
+        return NOTIF_PREFIX + b" " + head
+    start, end = layers if layers is not None else (spec.layer_start, spec.layer_end)
+    return b"%s %s %d %d %d" % (PART_PREFIX, head, spec.layer_group, start, end)
 
 
 def decode_notif(msg: bytes) -> Notif | None:
     parts = msg.split()
-    if len(parts) != 12 or parts[0] != NOTIF_PREFIX or len(parts[11]) != 2 * TOKEN_BYTES:
+    n = len(parts)
+    if not ((n == 12 and parts[0] == NOTIF_PREFIX) or (n == 15 and parts[0] == PART_PREFIX)):
+        return None
+    if len(parts[11]) != 2 * TOKEN_BYTES:
         return None
     try:
         rid, gen, chunk, writer, reader, tstart, ntok, last, credit, offset = (int(p) for p in parts[1:11])
         token = bytes.fromhex(parts[11].decode("ascii"))
+        group, start, end = (int(p) for p in parts[12:15]) if n == 15 else (0, 0, 0)
     except ValueError:
         return None
     if min(rid, gen, chunk, writer, reader, tstart, ntok, credit, offset) < 0:
         return None
-    return Notif(RoomKey(rid, gen), chunk, writer, reader, tstart, ntok, bool(last), credit, offset, token)
+    # A kvx4 entry names a non-empty layer range (seals carry no bytes, so no notification); the
+    # model's layer count is the receiver's to check.
+    if n == 15 and not (0 < group <= MAX_LAYERS and 0 <= start < end <= MAX_LAYERS):
+        return None
+    return Notif(RoomKey(rid, gen), chunk, writer, reader, tstart, ntok, bool(last), credit, offset, token,
+                 group, start, end)
 
 
 def join_notifs(parts: list[bytes]) -> bytes:

@@ -139,6 +139,16 @@ class Metrics:
         self.peer_messages = Counter(
             "kvxferd_peer_messages", "Messages on peer control streams", ["direction"], registry=r
         )
+        # Layer parts (docs/design/layerwise.md): role prefill (event enqueued, refused, written,
+        # sealed) and decode (landed, duplicate); parts_per_write shows how much merging saves.
+        self.layer_parts = Counter(
+            "kvxferd_layer_parts", "Layer parts of chunks by role and event (prefill: enqueued, refused, "
+            "written, sealed; decode: landed, duplicate)", ["role", "event"], registry=r,
+        )
+        self.parts_per_write = Histogram(
+            "kvxferd_parts_per_write", "Layer parts one NIXL WRITE carries (merged adjacent parts of a room)",
+            buckets=(1, 2, 4, 8, 16, 32, 64), registry=r,
+        )
         # Caps on what callers can make the daemon hold (kvxferd.core.caps); per-caller caps report the
         # caller closest to its limit.
         self.cap_used = Gauge("kvxferd_cap_used", "Use of each cap", ["cap"], registry=r)

@@ -30,7 +30,7 @@ class CudaIpcRing(_message.Message):
     def __init__(self, handle: _Optional[bytes] = ..., device_uuid: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
 
 class RegisterEngineRequest(_message.Message):
-    __slots__ = ("role", "group", "layout", "parallel", "ring_bytes", "cuda_ring", "lease_ms", "name", "zero_copy", "accept_pending", "registration_id", "claim_slots", "protocol_version")
+    __slots__ = ("role", "group", "layout", "parallel", "ring_bytes", "cuda_ring", "lease_ms", "name", "zero_copy", "accept_pending", "registration_id", "claim_slots", "protocol_version", "layer_parts")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class RegisterEngineRequest(_message.Message):
     REGISTRATION_ID_FIELD_NUMBER: _ClassVar[int]
     CLAIM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAYER_PARTS_FIELD_NUMBER: _ClassVar[int]
     role: Role
     group: str
     layout: _common_pb2.KVLayout
@@ -57,7 +58,8 @@ class RegisterEngineRequest(_message.Message):
     registration_id: str
     claim_slots: bool
     protocol_version: str
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., group: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., parallel: _Optional[_Union[_common_pb2.Parallelism, _Mapping]] = ..., ring_bytes: _Optional[int] = ..., cuda_ring: _Optional[_Union[CudaIpcRing, _Mapping]] = ..., lease_ms: _Optional[int] = ..., name: _Optional[str] = ..., zero_copy: _Optional[bool] = ..., accept_pending: _Optional[bool] = ..., registration_id: _Optional[str] = ..., claim_slots: _Optional[bool] = ..., protocol_version: _Optional[str] = ...) -> None: ...
+    layer_parts: bool
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., group: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., parallel: _Optional[_Union[_common_pb2.Parallelism, _Mapping]] = ..., ring_bytes: _Optional[int] = ..., cuda_ring: _Optional[_Union[CudaIpcRing, _Mapping]] = ..., lease_ms: _Optional[int] = ..., name: _Optional[str] = ..., zero_copy: _Optional[bool] = ..., accept_pending: _Optional[bool] = ..., registration_id: _Optional[str] = ..., claim_slots: _Optional[bool] = ..., protocol_version: _Optional[str] = ..., layer_parts: _Optional[bool] = ...) -> None: ...
 
 class RegisterEngineReply(_message.Message):
     __slots__ = ("engine_id", "pool_path", "pool_bytes", "ring_offset", "ring_bytes", "lease_ms", "daemon_id", "peer_address", "pending", "registration_id", "pool_socket", "lane_socket", "claim_slots", "token_bytes", "slot_align")
@@ -176,7 +178,7 @@ class ExpectRoomReply(_message.Message):
     def __init__(self, state: _Optional[_Union[_common_pb2.RoomState, str]] = ...) -> None: ...
 
 class EnqueueChunkRequest(_message.Message):
-    __slots__ = ("engine_id", "room", "chunk_id", "token_start", "num_tokens", "slot", "last", "aux", "pages", "next_tokens", "claim")
+    __slots__ = ("engine_id", "room", "chunk_id", "token_start", "num_tokens", "slot", "last", "aux", "pages", "next_tokens", "claim", "layer_group", "layer_start", "layer_end")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ROOM_FIELD_NUMBER: _ClassVar[int]
     CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +190,9 @@ class EnqueueChunkRequest(_message.Message):
     PAGES_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CLAIM_FIELD_NUMBER: _ClassVar[int]
+    LAYER_GROUP_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     room: _common_pb2.RoomKey
     chunk_id: int
@@ -199,7 +204,10 @@ class EnqueueChunkRequest(_message.Message):
     pages: _containers.RepeatedScalarFieldContainer[int]
     next_tokens: int
     claim: int
-    def __init__(self, engine_id: _Optional[str] = ..., room: _Optional[_Union[_common_pb2.RoomKey, _Mapping]] = ..., chunk_id: _Optional[int] = ..., token_start: _Optional[int] = ..., num_tokens: _Optional[int] = ..., slot: _Optional[_Union[_common_pb2.Slot, _Mapping]] = ..., last: _Optional[bool] = ..., aux: _Optional[bytes] = ..., pages: _Optional[_Iterable[int]] = ..., next_tokens: _Optional[int] = ..., claim: _Optional[int] = ...) -> None: ...
+    layer_group: int
+    layer_start: int
+    layer_end: int
+    def __init__(self, engine_id: _Optional[str] = ..., room: _Optional[_Union[_common_pb2.RoomKey, _Mapping]] = ..., chunk_id: _Optional[int] = ..., token_start: _Optional[int] = ..., num_tokens: _Optional[int] = ..., slot: _Optional[_Union[_common_pb2.Slot, _Mapping]] = ..., last: _Optional[bool] = ..., aux: _Optional[bytes] = ..., pages: _Optional[_Iterable[int]] = ..., next_tokens: _Optional[int] = ..., claim: _Optional[int] = ..., layer_group: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ...) -> None: ...
 
 class EnqueueChunkReply(_message.Message):
     __slots__ = ("code", "message", "next_slot", "next_chunk_bytes", "freed_claims")
@@ -236,20 +244,28 @@ class PollRoomRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., room: _Optional[_Union[_common_pb2.RoomKey, _Mapping]] = ...) -> None: ...
 
 class LandedChunk(_message.Message):
-    __slots__ = ("chunk_id", "slot", "token_start", "num_tokens", "last", "chunk_bytes")
+    __slots__ = ("chunk_id", "slot", "token_start", "num_tokens", "last", "chunk_bytes", "layer_group", "layer_start", "layer_end", "chunk_complete")
     CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_START_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_GROUP_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_COMPLETE_FIELD_NUMBER: _ClassVar[int]
     chunk_id: int
     slot: _common_pb2.Slot
     token_start: int
     num_tokens: int
     last: bool
     chunk_bytes: int
-    def __init__(self, chunk_id: _Optional[int] = ..., slot: _Optional[_Union[_common_pb2.Slot, _Mapping]] = ..., token_start: _Optional[int] = ..., num_tokens: _Optional[int] = ..., last: _Optional[bool] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+    layer_group: int
+    layer_start: int
+    layer_end: int
+    chunk_complete: bool
+    def __init__(self, chunk_id: _Optional[int] = ..., slot: _Optional[_Union[_common_pb2.Slot, _Mapping]] = ..., token_start: _Optional[int] = ..., num_tokens: _Optional[int] = ..., last: _Optional[bool] = ..., chunk_bytes: _Optional[int] = ..., layer_group: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., chunk_complete: _Optional[bool] = ...) -> None: ...
 
 class RoomStatus(_message.Message):
     __slots__ = ("room", "state", "failure_code", "failure_reason", "landed", "aux", "chunks_done", "pages_fenced")
@@ -272,12 +288,14 @@ class RoomStatus(_message.Message):
     def __init__(self, room: _Optional[_Union[_common_pb2.RoomKey, _Mapping]] = ..., state: _Optional[_Union[_common_pb2.RoomState, str]] = ..., failure_code: _Optional[_Union[_common_pb2.FailureCode, str]] = ..., failure_reason: _Optional[str] = ..., landed: _Optional[_Iterable[_Union[LandedChunk, _Mapping]]] = ..., aux: _Optional[bytes] = ..., chunks_done: _Optional[int] = ..., pages_fenced: _Optional[bool] = ...) -> None: ...
 
 class WatchRoomsRequest(_message.Message):
-    __slots__ = ("engine_id", "chunk_progress")
+    __slots__ = ("engine_id", "chunk_progress", "layer_progress")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     chunk_progress: bool
-    def __init__(self, engine_id: _Optional[str] = ..., chunk_progress: _Optional[bool] = ...) -> None: ...
+    layer_progress: bool
+    def __init__(self, engine_id: _Optional[str] = ..., chunk_progress: _Optional[bool] = ..., layer_progress: _Optional[bool] = ...) -> None: ...
 
 class RoomEvent(_message.Message):
     __slots__ = ("room", "state", "failure_code", "failure_reason", "landed", "aux", "chunks_done", "pages_fenced")

@@ -134,7 +134,7 @@ class Hello(_message.Message):
     def __init__(self, sender: _Optional[_Union[DaemonRef, _Mapping]] = ..., peer_instance_id: _Optional[str] = ..., proof: _Optional[_Union[PeerProof, _Mapping]] = ...) -> None: ...
 
 class Bootstrap(_message.Message):
-    __slots__ = ("room", "prefill_group", "reader_rank", "decode_tp", "layout", "num_tokens", "deadline_unix_ms", "reader_ring", "zero_copy", "notif_token")
+    __slots__ = ("room", "prefill_group", "reader_rank", "decode_tp", "layout", "num_tokens", "deadline_unix_ms", "reader_ring", "zero_copy", "notif_token", "layer_parts")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     PREFILL_GROUP_FIELD_NUMBER: _ClassVar[int]
     READER_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +145,7 @@ class Bootstrap(_message.Message):
     READER_RING_FIELD_NUMBER: _ClassVar[int]
     ZERO_COPY_FIELD_NUMBER: _ClassVar[int]
     NOTIF_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LAYER_PARTS_FIELD_NUMBER: _ClassVar[int]
     room: _common_pb2.RoomKey
     prefill_group: str
     reader_rank: int
@@ -155,7 +156,8 @@ class Bootstrap(_message.Message):
     reader_ring: str
     zero_copy: ZeroCopyTarget
     notif_token: bytes
-    def __init__(self, room: _Optional[_Union[_common_pb2.RoomKey, _Mapping]] = ..., prefill_group: _Optional[str] = ..., reader_rank: _Optional[int] = ..., decode_tp: _Optional[int] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., reader_ring: _Optional[str] = ..., zero_copy: _Optional[_Union[ZeroCopyTarget, _Mapping]] = ..., notif_token: _Optional[bytes] = ...) -> None: ...
+    layer_parts: bool
+    def __init__(self, room: _Optional[_Union[_common_pb2.RoomKey, _Mapping]] = ..., prefill_group: _Optional[str] = ..., reader_rank: _Optional[int] = ..., decode_tp: _Optional[int] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., reader_ring: _Optional[str] = ..., zero_copy: _Optional[_Union[ZeroCopyTarget, _Mapping]] = ..., notif_token: _Optional[bytes] = ..., layer_parts: _Optional[bool] = ...) -> None: ...
 
 class ZeroCopyTarget(_message.Message):
     __slots__ = ("address", "num_slots", "mem", "device", "pages")
