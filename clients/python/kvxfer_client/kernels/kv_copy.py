@@ -14,6 +14,9 @@ caches as ``kvxfer_client.vllm._paged.kv_planes`` sees them): token ``i`` is the
 Slot side (see docs/contracts.md): ``[heads, layers, planes, tokens, head_dim]``
 contiguous, planes = (K, V) or just the latent. With a head sub-range the slot
 holds only heads ``[head_start, head_start + num_heads)`` of the engine's local heads.
+A layer-wise chunk's slot is group-major, ``[groups, heads, layers_in_group, planes, tokens,
+head_dim]`` (docs/design/layerwise.md §1): each group is the layout above over its layers, so
+``KVPages.layers(lo, hi)`` copies it into ``KVPages.group_view(slot, lo, hi, ...)``.
 
 Copies are byte-exact for every dtype: tensors are reinterpreted as integers
 of the widest width that every address and stride allows.
@@ -44,19 +47,29 @@ import logging
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Literal
 
 import torch
 
 from kvxfer_client.kernels._staged import CopyCall, Kind, Stager
+from kvxfer_client.kernels._support import (
+    INT_BY_WIDTH,
+    VEC_BYTES,
+    TileConfig,
+    as_3d,
+    as_int,
+    check_positive,
+    default_tile,
+    flat_pages,
+    next_pow2,
+    to_device,
+)
 
 logger = logging.getLogger(__name__)
 
 Backend = Literal["auto", "triton", "torch"]
 
-_INT_BY_WIDTH: dict[int, torch.dtype] = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_VEC_BYTES = 16  # widest global load/store a thread can issue
 DEFAULT_STAGING_BYTES = 64 << 20
 
 __all__ = [
@@ -95,75 +108,6 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@dataclass(frozen=True)
-class TileConfig:
-    """Launch shape; exposed so the benchmark can sweep it."""
-
-    target_tile_bytes: int = 16384
-    lp_per_prog: int = 4
-    num_warps: int = 4
-
-
-# From `kvxferd bench kernels` on an H200 (bench/results/kernels-h200.json):
-# device-slot shapes (GPU ring, and the staged host path's kernels) are the
-# sweep's fastest, though all candidates were within ~2%; the direct host path
-# is PCIe-bound and every shape tried measured the same.
-_DEFAULT_TILES: dict[tuple[Kind, bool], TileConfig] = {
-    ("gather", True): TileConfig(),
-    ("scatter", True): TileConfig(),
-    ("gather", False): TileConfig(target_tile_bytes=8192, lp_per_prog=1, num_warps=4),
-    ("scatter", False): TileConfig(target_tile_bytes=16384, lp_per_prog=1, num_warps=4),
-}
-
-
-def default_tile(kind: Kind, slot_on_host: bool) -> TileConfig:
-    return _DEFAULT_TILES[(kind, slot_on_host)]
-
-
-def _as_3d(t: torch.Tensor, what: str) -> torch.Tensor:
-    if t.dim() == 2:
-        return t.unsqueeze(1)
-    if t.dim() != 3:
-        raise ValueError(
-            f"{what} must be [num_slots, heads, head_dim] (or [num_slots, width] for MLA), got {tuple(t.shape)}"
-        )
-    return t
-
-
-def _flat_pages(t: torch.Tensor) -> torch.Tensor:
-    """A ``[pages, heads, page_size, D]`` plane as ``[slots, heads, D]`` when its pages are token
-    rows of one stride (token-major pages, e.g. ``[blocks, block_size, heads, D]`` permuted): the
-    Triton kernels address slots, not (page, head, token). Else the plane itself."""
-    pages, heads, size, dim = t.shape
-    if t.stride(0) == size * t.stride(2):
-        return t.as_strided((pages * size, heads, dim), (t.stride(2), t.stride(1), t.stride(3)))
-    return t
-
-
-def _check_positive(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
-def _as_int(t: torch.Tensor) -> torch.Tensor:
-    # Same-width integer view: byte-exact and supported by index ops for every dtype (fp8 included).
-    return t.view(_INT_BY_WIDTH[t.element_size()])
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if t.device == device:
-        return t
-    if device.type == "cuda" and t.device.type == "cpu":
-        # Pinned staging makes the upload asynchronous; torch's host allocator
-        # keeps the staging block alive until the copy has run.
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
 class KVPages:
     """An engine's paged KV cache (all layers), validated once, copied many times.
 
@@ -195,7 +139,7 @@ class KVPages:
         # Block-major planes name their page size; slot-major ones leave it to each call.
         self.page_size: int | None = int(given[0].shape[2]) if given[0].dim() == 4 else None
         paged = self.page_size is not None
-        tensors = [_flat_pages(t) if paged and t.dim() == 4 else _as_3d(t, f"{'kv'[i % planes]}_layers[{i // planes}]")
+        tensors = [flat_pages(t) if paged and t.dim() == 4 else as_3d(t, f"{'kv'[i % planes]}_layers[{i // planes}]")
                    for i, t in enumerate(given)]
         ref = tensors[0]
         for g, t in zip(given[1:], tensors[1:], strict=True):
@@ -210,10 +154,15 @@ class KVPages:
                 )
         if not paged and ref.stride(2) != 1:
             raise ValueError("KV head_dim must be contiguous (stride 1)")
+        self._adopt(tuple(tensors), planes, Stager(ref.device, staging_bytes))
+
+    def _adopt(self, tensors: tuple[torch.Tensor, ...], planes: int, stager: Stager) -> None:
+        """Everything derived from validated planes; shared by the constructor and :meth:`layers`."""
+        ref = tensors[0]
         # Triton addresses every plane as the first one's [slot, head, D] strides from its own base.
         self._triton_ok = ref.dim() == 3 and ref.stride(2) == 1 and all(t.stride() == ref.stride() for t in tensors)
-        self.planes_t: tuple[torch.Tensor, ...] = tuple(tensors)  # layer-major: k0, v0, k1, v1, ...
-        self.num_layers = len(k_layers)
+        self.planes_t: tuple[torch.Tensor, ...] = tensors  # layer-major: k0, v0, k1, v1, ...
+        self.num_layers = len(tensors) // planes
         self.planes = planes
         self.local_heads, self.head_dim = int(ref.shape[1]), int(ref.shape[-1])
         self.num_slots = int(ref.shape[0]) * (int(ref.shape[2]) if ref.dim() == 4 else 1)
@@ -232,8 +181,9 @@ class KVPages:
             g = math.gcd(g, a - addrs[0])
         self._align = g
         self._tables: dict[int, torch.Tensor] = {}
-        self._staging_bytes = staging_bytes
-        self._stager = Stager(self.device, staging_bytes)
+        self._staging_bytes = stager.staging_bytes
+        self._stager = stager
+        self._subsets: dict[tuple[int, int], KVPages] = {}
 
     @property
     def num_lp(self) -> int:
@@ -242,6 +192,52 @@ class KVPages:
     def slot_nbytes(self, num_tokens: int, num_heads: int | None = None) -> int:
         heads = self.local_heads if num_heads is None else num_heads
         return slot_nbytes(heads, self.num_layers, self.planes, num_tokens, self.head_dim, self.dtype)
+
+    def layers(self, lo: int, hi: int) -> KVPages:
+        """The KV of layers ``[lo, hi)`` alone: a layer group of a group-major slot
+        ``[groups, heads, layers_in_group, planes, tokens, head_dim]`` (docs/design/layerwise.md §1).
+        Its ``gather`` fills, and its ``scatter`` reads, ``[heads, hi - lo, planes, tokens, head_dim]``:
+        the group's bytes of the slot, :meth:`group_view`. Cached per range, so a per-layer hook pays
+        no validation; shares this cache's staging buffer (one copy at a time, as for this cache)."""
+        self._check_layers(lo, hi)
+        if (lo, hi) == (0, self.num_layers):
+            return self
+        sub = self._subsets.get((lo, hi))
+        if sub is None:
+            sub = object.__new__(KVPages)
+            sub._adopt(self.planes_t[lo * self.planes : hi * self.planes], self.planes, self._stager)
+            sub.page_size = self.page_size
+            # Setting one key is atomic under the GIL; two threads building one range both get a valid view.
+            self._subsets[(lo, hi)] = sub
+        return sub
+
+    def _check_layers(self, lo: int, hi: int) -> None:
+        ok = all(isinstance(x, int) and not isinstance(x, bool) for x in (lo, hi)) and 0 <= lo < hi <= self.num_layers
+        if not ok:
+            raise ValueError(f"layer range [{lo}, {hi}) is not a non-empty range of the {self.num_layers} layers")
+
+    def group_view(
+        self, slot: torch.Tensor, lo: int, hi: int, num_tokens: int, num_heads: int | None = None
+    ) -> torch.Tensor:
+        """The bytes of layers ``[lo, hi)`` in a group-major slot of ``num_tokens`` tokens and
+        ``num_heads`` heads (default all local ones), flat, for ``layers(lo, hi)`` to copy.
+
+        A group of ``g`` layers starts at ``lo * heads * b`` (``b`` = one layer-head's planes x
+        tokens x row bytes) whatever ``g`` the slot was cut with, because every earlier group holds
+        all heads of its layers; so a range that is a union of whole groups is one byte range too.
+        """
+        self._check_layers(lo, hi)
+        heads = self.local_heads if num_heads is None else num_heads
+        want = self.slot_nbytes(num_tokens, heads)
+        if not slot.is_contiguous() or slot.numel() * slot.element_size() != want:
+            raise ValueError(
+                f"slot must be contiguous and hold the {want} bytes of {heads} heads x {self.num_layers} layers x "
+                f"{num_tokens} tokens, got {slot.numel() * slot.element_size()} bytes"
+                f"{'' if slot.is_contiguous() else ' (not contiguous)'}"
+            )
+        per_layer = want // self.num_layers
+        flat = slot.reshape(-1).view(torch.uint8)[lo * per_layer : hi * per_layer]
+        return flat.view(slot.dtype) if per_layer % slot.element_size() == 0 else flat
 
     # -- public copies -------------------------------------------------------
 
@@ -292,7 +288,7 @@ class KVPages:
         path = self._choose_path(call, backend)
         if path != "torch":
             # Upload host-side ids once, not once per staged chunk.
-            call = replace(call, page_ids=_to_device(call.page_ids, self.device))
+            call = replace(call, page_ids=to_device(call.page_ids, self.device))
         if path == "torch":
             self._copy_torch(kind, call)
         elif path == "staged":
@@ -310,8 +306,8 @@ class KVPages:
         head_start: int,
         num_heads: int | None,
     ) -> CopyCall:
-        _check_positive("num_tokens", num_tokens)
-        _check_positive("page_size", page_size)
+        check_positive("num_tokens", num_tokens)
+        check_positive("page_size", page_size)
         if self.page_size is not None and page_size != self.page_size:
             raise ValueError(f"page_size {page_size} is not the {self.page_size} tokens of the KV planes' pages")
         if not isinstance(token_offset, int) or isinstance(token_offset, bool) or not 0 <= token_offset < page_size:
@@ -399,7 +395,7 @@ class KVPages:
 
     def _slot_view(self, call: CopyCall) -> torch.Tensor:
         shape = (call.num_heads, call.num_lp, call.num_tokens, self.head_dim)
-        return _as_int(call.slot.view(torch.uint8).view(self.dtype)).view(shape)
+        return as_int(call.slot.view(torch.uint8).view(self.dtype)).view(shape)
 
     def _copy_torch(self, kind: Kind, call: CopyCall) -> None:
         pos = torch.arange(call.num_tokens, device=self.device) + call.token_offset
@@ -411,7 +407,7 @@ class KVPages:
         hs = slice(call.head_start, call.head_start + call.num_heads)
         whole = call.head_start == 0 and call.num_heads == self.local_heads
         for i in range(call.num_lp):
-            plane = _as_int(self.planes_t[call.lp_begin + i])
+            plane = as_int(self.planes_t[call.lp_begin + i])
             # Either index gives [tokens, heads, D] (advanced indices around a slice go first).
             index = (slots, hs) if plane.dim() == 3 else (pages, hs, offsets)
             if kind == "gather":
@@ -433,7 +429,7 @@ class KVPages:
         table = self._tables.get(step)
         if table is None:
             offs = torch.tensor([(a - self._addrs[0]) // step for a in self._addrs], dtype=torch.int64)
-            table = _to_device(offs, self.device)
+            table = to_device(offs, self.device)
             self._tables[step] = table
         return table
 
@@ -445,15 +441,15 @@ class KVPages:
         g = math.gcd(self._align, call.slot.data_ptr())
         align = g & -g  # largest power of two dividing every address and stride
         width = min(8, align)
-        vec = max(1, min(_VEC_BYTES, align) // width)
+        vec = max(1, min(VEC_BYTES, align) // width)
         step = width * vec
-        idt = _INT_BY_WIDTH[width]
+        idt = INT_BY_WIDTH[width]
         row = self.row_bytes // width
-        block_d = _next_pow2(row)
+        block_d = next_pow2(row)
         row_bytes_padded = block_d * width
-        block_h = min(_next_pow2(call.num_heads), max(1, tile.target_tile_bytes // row_bytes_padded))
+        block_h = min(next_pow2(call.num_heads), max(1, tile.target_tile_bytes // row_bytes_padded))
         block_tok = max(1, tile.target_tile_bytes // (row_bytes_padded * block_h))
-        block_tok = min(_next_pow2(block_tok), _next_pow2(call.num_tokens))
+        block_tok = min(next_pow2(block_tok), next_pow2(call.num_tokens))
         lp_per_prog = max(1, min(tile.lp_per_prog, call.num_lp))
         grid = (
             -(-call.num_tokens // block_tok),
@@ -464,7 +460,7 @@ class KVPages:
         args = (
             self.planes_t[0].view(torch.uint8).view(idt),
             self._table(step),
-            _to_device(call.page_ids, self.device),
+            to_device(call.page_ids, self.device),
             call.slot.view(torch.uint8).view(idt),
             call.num_tokens,
             call.token_offset,
