@@ -8,11 +8,10 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 PIP_INSTALL := $(PIP) install --no-compile
 SGLANG_VERSION := 0.5.23
-# PYTEST_WORKERS="-n 2 --dist loadscope" runs the suite on two xdist workers (a module's tests stay
-# together; tests of real engines are one unit on one worker: tests/conftest.py). A quiet clean-clone
-# rehearsal with it took 23:56 of tests against ~26-27 min serially, and test_fleet_run hung in its
-# registry lookup (300 s timeout) in 2 of 3 such runs, never serially: serial until that is understood.
-PYTEST_WORKERS ?=
+# The suite runs on two xdist workers: a module's tests stay together on one worker, and the tests of
+# real engines (~11 min of engine starts and 20 s daemon stops) are one unit on one worker while the
+# other works through the rest (tests/conftest.py). PYTEST_WORKERS= runs it serially.
+PYTEST_WORKERS ?= -n 2 --dist loadscope
 
 .PHONY: install install-test run test lint proto clean
 

@@ -36,6 +36,7 @@ from kvxferd.peer.link import PeerLink, Session
 from kvxferd.peer.manager import PeerManager
 from kvxferd.peer.wire import WireStream
 from tests.conftest import InProcDaemon
+from tests.readiness import budget
 
 # ---------------------------------------------------------------------------- helpers
 
@@ -87,9 +88,12 @@ def spy(pm: PeerManager) -> Inbox:
 
 
 async def until(cond: Callable[[], Any], timeout: float, what: str) -> None:
+    # The base budget is a quiet box's: at load 2-4x a liveness pass runs late, and a pass later than
+    # PAUSE_S gives every peer a fresh window (correctly: kvxferd.peer.heal), so losses take longer.
+    timeout = budget(timeout)
     deadline = time.monotonic() + timeout
     while not cond():
-        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        assert time.monotonic() < deadline, f"not within {timeout:.1f} s: {what}"
         await asyncio.sleep(0.02)
 
 
