@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import itertools
 import logging
 import threading
 from collections.abc import Sequence
@@ -24,7 +25,7 @@ from kvxferd.datapath.workers import POST_FAILED, TransferJob, WorkerPool, by_ip
 from kvxferd.peer.dispatch import _with_local
 from kvxferd.transports import local_ipc
 from kvxferd.transports.interface import XferState
-from kvxferd.transports.local_ipc import PATH_IPC, IpcViews, SameHost, ring_for, valid_local
+from kvxferd.transports.local_ipc import PATH_IPC, IpcLane, IpcViews, SameHost, ring_for, valid_local
 
 HANDLE = bytes(range(1, 65))
 UUID = "GPU-00000000-0000-0000-0000-000000000001"
@@ -194,11 +195,24 @@ class NotifTransport:
         return []
 
 
-def fake_device_copies(pairs: Sequence[tuple[int, int, int]], *a: Any) -> str:
+def fake_device_copy_batch(jobs: Sequence[Sequence[tuple[int, int, int]]], *a: Any,
+                           threads: list[str] | None = None, gate: threading.Event | None = None,
+                           fail_after: int = -1) -> tuple[str, int]:
+    """device_copy_batch with memmove: each job's bytes, then its callback (the real one waits on
+    the job's CUDA event there); `gate` holds the first copy, `fail_after` raises after that many jobs."""
+    each = a[-1]
     assert threading.current_thread().name.startswith("kvx-worker")
-    for src, dst, n in pairs:
-        ctypes.memmove(dst, src, n)
-    return gpu.LINK_SAME_GPU
+    if threads is not None:
+        threads.append(threading.current_thread().name)
+    if gate is not None:
+        assert gate.wait(10)
+    for i, pairs in enumerate(jobs):
+        if i == fail_after:
+            raise RuntimeError("cudaEventSynchronize: CUDA error 700 (an illegal memory access)")
+        for src, dst, n in pairs:
+            ctypes.memmove(dst, src, n)
+        each(i, 0.25)
+    return gpu.LINK_SAME_GPU, 1000
 
 
 async def run_job(tr: NotifTransport, job: TransferJob) -> tuple[XferState, str]:
@@ -222,11 +236,11 @@ async def test_worker_copies_then_sends_the_notification_alone(proven: SameHost,
     ring = LocalRing(HANDLE, UUID, 4096, 0, 0x7000_0000)
     views = IpcViews(lambda loc, ctx: FakeMapping(base, 0))
     monkeypatch.setattr(local_ipc, "views", views)
-    monkeypatch.setattr(workers, "device_copies", fake_device_copies)
+    monkeypatch.setattr(local_ipc, "device_copy_batch", fake_device_copy_batch)
     held = SimpleNamespace(spec=CreditSpec(1, "r", 0x7000_0000, 4096, "VRAM", 1, ring), revoked=False)
     job = by_ipc(TransferJob("peer-agent", [(ctypes.addressof(src), 0x7000_0100, 1024)], b"notif-1", lambda *a: None,
                              local_mem="VRAM", remote_mem="VRAM", credits=[held], merge_key="room"), "peer", "inst")
-    assert job.link == PATH_IPC and job.merge_key is None and job.pairs == [(ctypes.addressof(src), base + 0x100, 1024)]
+    assert job.link == PATH_IPC and job.merge_key == IpcLane(0, 0) and job.pairs == [(ctypes.addressof(src), base + 0x100, 1024)]
     tr = NotifTransport(dst)
     assert await run_job(tr, job) == (XferState.DONE, "")
     assert bytes(dst[0x100:0x500]) == bytes(src[:1024])
@@ -241,3 +255,73 @@ async def test_worker_copies_then_sends_the_notification_alone(proven: SameHost,
                               local_mem="VRAM", remote_mem="VRAM", credits=[held]), "peer", "inst")
     state, error = await run_job(NotifTransport(dst, with_notif=False), job2)
     assert state is XferState.ERROR and error.startswith(POST_FAILED) and "no notification" in error
+
+
+@pytest.mark.asyncio
+async def test_queued_ipc_jobs_of_a_lane_go_as_one_burst_on_one_thread(proven: SameHost,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Jobs queued behind a busy copy (any room) go as one launch burst on the thread copying for
+    their GPUs, each notified after its own bytes, with back-to-back times (summing to the burst's
+    wall time, not n times it); a copy that fails mid-burst fails only the jobs not yet copied, and
+    not as a transport error (the peer link is fine)."""
+    src = ctypes.create_string_buffer(bytes(range(256)) * 16)
+    dst = ctypes.create_string_buffer(4096)
+    base = ctypes.addressof(dst)
+    ring = LocalRing(HANDLE, UUID, 4096, 0, 0x7000_0000)
+    monkeypatch.setattr(local_ipc, "views", IpcViews(lambda loc, ctx: FakeMapping(base, 0)))
+    gate, threads = threading.Event(), list[str]()
+    calls = [0]
+
+    def fake(jobs: Sequence[Sequence[tuple[int, int, int]]], *a: Any) -> tuple[str, int]:
+        calls[0] += 1
+        return fake_device_copy_batch(jobs, *a, threads=threads, gate=gate if calls[0] in (1, 3) else None,
+                                      fail_after=1 if calls[0] == 4 else -1)
+
+    monkeypatch.setattr(local_ipc, "device_copy_batch", fake)
+    held = SimpleNamespace(spec=CreditSpec(1, "r", 0x7000_0000, 4096, "VRAM", 1, ring), revoked=False)
+    loop = asyncio.get_running_loop()
+    tr = NotifTransport(dst)
+    pool = WorkerPool(tr, loop, 4, join_notifs=b"".join)  # type: ignore[arg-type]
+    pool.start()
+    done: dict[bytes, asyncio.Future[tuple[XferState, str, TransferJob]]] = {}
+
+    def submit(i: int) -> None:
+        job = by_ipc(TransferJob("peer-agent", [(ctypes.addressof(src) + 256 * i, 0x7000_0000 + 256 * i, 256)],
+                                 b"n%d" % i, lambda j, s, e: done[j.notif].set_result((s, e, j)),
+                                 local_mem="VRAM", remote_mem="VRAM", credits=[held], merge_key=f"room{i}",
+                                 nbytes=256), "peer", "inst")
+        done[job.notif] = loop.create_future()
+        pool.submit(job)
+
+    before = local_ipc.stats.line()
+    try:
+        submit(0)
+        while not threads:  # the first burst holds its thread; the rest queue behind it there
+            await asyncio.sleep(0.005)
+        for i in range(1, 6):
+            submit(i)
+        gate.set()
+        got = [await asyncio.wait_for(done[b"n%d" % i], 10) for i in range(6)]
+        assert [g[:2] for g in got] == [(XferState.DONE, "")] * 6
+        assert len(set(threads)) == 1 and len(threads) == 2  # one thread: a burst of 1, then of 5
+        assert [n for _, n, _ in tr.sent] == [b"n%d" % i for i in range(6)]
+        for i, (_, _, seen) in enumerate(tr.sent):
+            assert seen[256 * i:256 * (i + 1)] == bytes(src[256 * i:256 * (i + 1)])
+        burst = [g[2] for g in got[1:]]
+        for a, b in itertools.pairwise(burst):
+            assert a.posted_at <= a.finished_at == b.posted_at <= b.finished_at  # back to back, never overlapping
+        # A held copy again, then a burst of three whose copy fails after its first job.
+        gate.clear()
+        submit(6)
+        while len(threads) < 3:
+            await asyncio.sleep(0.005)
+        for i in range(7, 10):
+            submit(i)
+        gate.set()
+        got = [await asyncio.wait_for(done[b"n%d" % i], 10) for i in range(7, 10)]
+    finally:
+        pool.stop()
+    assert len(threads) == 4 and got[0][:2] == (XferState.DONE, "") and [n for _, n, _ in tr.sent][-2:] == [b"n6", b"n7"]
+    for state, error, _ in got[1:]:
+        assert state is XferState.ERROR and "error 700" in error and not workers.transport_error(error)
+    assert before != local_ipc.stats.line() and "jobs=" in local_ipc.stats.line()

@@ -3,7 +3,7 @@
 # From the repo root there, carrying the small wheels of .whl/ (grpcio, grpcio-health-checking,
 # grpcio-reflection, protobuf, aetcd, nixl_slim.tar.xz; bench/device/make_wheels.sh):
 #   KVX_COMMIT=<commit> bash bench/device/gpu_local_ipc.sh
-# Runs tests/gpu/test_gpu_local_ipc.py (TP 1->1, 2->2, 4->2 and 64 MiB chunks, GPU 0 -> GPU 0 and,
+# Runs tests/gpu/test_gpu_local_ipc.py (TP 1->1, 2->2, 4->2 and 4/16/64 MiB chunks, GPU 0 -> GPU 0 and,
 # with two GPUs, GPU 0 -> GPU 1, every byte checked, device copy / cudaMemcpyPeer measured in the
 # same run). Writes $OUT/gpu-local-ipc.json (commit, machine, command, env, cases), pytest.log.
 set -uo pipefail
@@ -37,8 +37,10 @@ env = {
 from kvxferd.bench._common import write_json
 write_json(f"{out}/gpu-local-ipc.json", {"command": "bash bench/device/gpu_local_ipc.sh", "env": env, "cases": rows})
 for r in rows:
-    print({k: r.get(k) for k in ("case", "path", "bytes", "gb_per_s", "copy_gb_per_s", "device_copy_gb_per_s",
-                                 "memcpy_peer_gb_per_s", "ratio", "byte_exact", "problems")})
+    print({k: r[k] for k in ("case", "gb_per_s", "copy_gb_per_s", "device_copy_gb_per_s", "memcpy_peer_gb_per_s",
+                             "device_copy_synced_per_chunk_gb_per_s", "gpu_only_gb_per_s", "ratio", "ratio_to_synced",
+                             "jobs", "batches", "job_us_per_job", "gpu_us_per_job", "launch_us_per_job",
+                             "wait_us_per_job", "notify_us_per_job", "byte_exact", "problems") if k in r})
 PY
 echo "pytest rc=$test_rc"
 exit "$test_rc"

@@ -13,6 +13,7 @@ import functools
 import importlib.util
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -261,6 +262,35 @@ def _stream(libs: _CudaLibs, device: int) -> ctypes.c_void_p:
     return stream
 
 
+def _events(libs: _CudaLibs, device: int, n: int) -> list[ctypes.c_void_p]:
+    """At least `n` of this thread's timing events on `device` (reused: an event may be recorded again
+    once waited for)."""
+    per_device: dict[int, list[ctypes.c_void_p]] | None = getattr(_streams, "events", None)
+    if per_device is None:
+        per_device = _streams.events = {}
+    evs = per_device.setdefault(device, [])
+    while len(evs) < n:
+        ev = ctypes.c_void_p()
+        libs.check(libs.cudart.cudaEventCreate(ctypes.byref(ev)), "cudaEventCreate")
+        evs.append(ev)
+    return evs
+
+
+@functools.cache
+def _no_gil_release(name: str) -> ctypes.PyDLL:
+    """libcudart again, through PyDLL: its calls keep the GIL. ctypes.CDLL drops and retakes the GIL
+    around every call, and in a daemon whose other threads run Python, retaking it can wait up to
+    the interpreter's switch interval (5 ms): per job that was GetDevice, SetDevice, one launch per
+    pair, the wait and SetDevice again. Only the waits below, which block, go through the CDLL."""
+    lib = ctypes.PyDLL(name)
+    lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    lib.cudaEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.cudaEventElapsedTime.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_void_p]
+    lib.cudaGetDevice.argtypes = [ctypes.POINTER(ctypes.c_int)]
+    lib.cudaSetDevice.argtypes = [ctypes.c_int]
+    return lib
+
+
 def device_copies(pairs: Sequence[tuple[int, int, int]], src_mem: str = "VRAM", src_device: int = 0,
                   dst_mem: str = "VRAM", dst_device: int = 0) -> str:
     """Same-node path between two imported GPU rings (or GPU and host): every (src, dst, length)
@@ -273,24 +303,50 @@ def device_copies(pairs: Sequence[tuple[int, int, int]], src_mem: str = "VRAM", 
     GPUs the source GPU's copy engines push over the peer link into the destination ring's mapping
     in the source GPU's context (PeerViews).
     """
+    return device_copy_batch([pairs], src_mem, src_device, dst_mem, dst_device)[0]
+
+
+def device_copy_batch(jobs: Sequence[Sequence[tuple[int, int, int]]], src_mem: str = "VRAM", src_device: int = 0,
+                      dst_mem: str = "VRAM", dst_device: int = 0,
+                      each: Callable[[int, float], None] | None = None) -> tuple[str, int]:
+    """Several jobs' pairs (see device_copies) queued back to back on this thread's stream, an event
+    after each job; then each job's event is waited for in order and ``each(i, gpu_ms)`` called as
+    soon as job i's bytes are there (its notification goes while the next job still copies), with
+    the GPU time of job i's copies alone. One launch burst and one stream for a worker's queued jobs:
+    jobs of several threads on one GPU only shared its bandwidth, each job then taking longer.
+    Returns (link, nanoseconds spent launching)."""
     from kvxfer_protocol import cuda_ipc
 
     link = peer_access.link(src_mem, src_device, dst_mem, dst_device)
     if link == LINK_PEER:
-        pairs = [(src, peer_views.translate(dst, n, src_device), n) for src, dst, n in pairs]
+        jobs = [[(src, peer_views.translate(dst, n, src_device), n) for src, dst, n in pairs] for pairs in jobs]
     libs = cuda_ipc._load()
-    rt = libs.cudart
+    fast = _no_gil_release(libs.cudart._name)
     device = src_device if src_mem == "VRAM" else dst_device
-    with cuda_ipc._OnDevice(libs, device):
+    prev = ctypes.c_int(-1)
+    libs.check(fast.cudaGetDevice(ctypes.byref(prev)), "cudaGetDevice")
+    if prev.value != device:
+        libs.check(fast.cudaSetDevice(device), "cudaSetDevice")
+    try:
         stream = _stream(libs, device)
-        for src, dst, nbytes in pairs:
-            libs.check(
-                rt.cudaMemcpyAsync(ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(nbytes),
-                                   _CUDA_MEMCPY_DEFAULT, stream),
-                "cudaMemcpyAsync",
-            )
-        libs.check(rt.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
-    return link
+        evs = _events(libs, device, len(jobs) + 1)
+        t0 = time.perf_counter_ns()
+        libs.check(fast.cudaEventRecord(evs[0], stream), "cudaEventRecord")
+        for i, pairs in enumerate(jobs):
+            for src, dst, nbytes in pairs:
+                libs.check(fast.cudaMemcpyAsync(dst, src, nbytes, _CUDA_MEMCPY_DEFAULT, stream), "cudaMemcpyAsync")
+            libs.check(fast.cudaEventRecord(evs[i + 1], stream), "cudaEventRecord")
+        launch_ns = time.perf_counter_ns() - t0
+        ms = ctypes.c_float()
+        for i in range(len(jobs)):
+            libs.check(libs.cudart.cudaEventSynchronize(evs[i + 1]), "cudaEventSynchronize")
+            if each is not None:
+                libs.check(fast.cudaEventElapsedTime(ctypes.byref(ms), evs[i], evs[i + 1]), "cudaEventElapsedTime")
+                each(i, ms.value)
+    finally:
+        if prev.value != device and prev.value >= 0:
+            fast.cudaSetDevice(prev.value)
+    return link, launch_ns
 
 
 def gpu_data_path(setting: str) -> str:

@@ -136,7 +136,7 @@ def by_ipc(job: TransferJob, peer_id: str, peer_instance: str) -> TransferJob:
         got = local_ipc.views.route(job.pairs, [c.spec for c in job.credits], job.local_mem, job.local_device)
         if got is not None:
             job.pairs, job.remote_device = got
-            job.link, job.merge_key = local_ipc.PATH_IPC, None
+            job.link, job.merge_key = local_ipc.PATH_IPC, local_ipc.IpcLane(job.local_device, job.remote_device)
             local_ipc.same_host.used(peer_id, peer_instance)
     return job
 
@@ -220,7 +220,8 @@ class WorkerPool:
                     # Every thread busy: the job waits in some queue anyway, and behind a job of its own
                     # room it goes out in that job's WRITE (_take_group). Spread by load alone, the
                     # parts of one room scattered over 8 threads and almost never met in a queue.
-                    if load[index] and load[aff[0]] <= load[index] + 1:
+                    # A local-ipc lane stays on one thread: copies of two threads on one GPU only split it.
+                    if isinstance(key, local_ipc.IpcLane) or (load[index] and load[aff[0]] <= load[index] + 1):
                         index = aff[0]
                     aff[0] = index
                     aff[1] += 1
@@ -302,7 +303,7 @@ class WorkerPool:
                     self._posted[job.remote] = n
                 else:
                     self._posted.pop(job.remote, None)
-                job.finished_at = now
+                job.finished_at = job.finished_at or now  # a local-ipc job's is its own notification
         try:
             if len(outcomes) == 1 and len(outcomes[0][0]) == 1:
                 (job,), state, error = outcomes[0]
@@ -317,14 +318,15 @@ class WorkerPool:
         """The oldest queued job and, if it may merge, the queued jobs that can share its WRITE
         (in queue order); every other job keeps its place."""
         first = backlog.popleft()
-        if first.merge_key is None or not first.remote or self._join_notifs is None:
+        ipc = first.link == local_ipc.PATH_IPC  # a launch burst, each job its own notification: no byte cap
+        if first.merge_key is None or not first.remote or (self._join_notifs is None and not ipc):
             return [first]
         shape = (first.merge_key, first.remote, first.local_mem, first.remote_mem, first.local_device,
                  first.remote_device)
         group, keep, nbytes = [first], [], first.nbytes
         for _ in range(min(len(backlog), _MERGE_SCAN)):
             j = backlog.popleft()
-            if (len(group) < _MERGE_MAX and nbytes + j.nbytes <= self._merge_max_bytes
+            if (len(group) < _MERGE_MAX and (ipc or nbytes + j.nbytes <= self._merge_max_bytes)
                     and shape == (j.merge_key, j.remote, j.local_mem, j.remote_mem, j.local_device, j.remote_device)):
                 group.append(j)
                 nbytes += j.nbytes
@@ -354,9 +356,13 @@ class WorkerPool:
         if not jobs:
             return None
         job = jobs[0]
-        if not job.remote or job.link == local_ipc.PATH_IPC:
-            # Same-node path: source and destination are both mapped here (never merged). To a
-            # daemon on this host the notification follows the bytes, as NIXL's follows a WRITE.
+        if job.link == local_ipc.PATH_IPC:
+            # To a daemon on this host: each job's notification follows its bytes, as NIXL's follows a WRITE.
+            self._report_outcomes([([j], XferState.ERROR if err else XferState.DONE, POST_FAILED + err if tr else err)
+                                   for j, err, tr in local_ipc.copy_batch(jobs, self._notify)])
+            return None
+        if not job.remote:
+            # Same-node path: source and destination are both mapped here (never merged).
             try:
                 if job.local_mem == "DRAM" and job.remote_mem == "DRAM":
                     for src, dst, length in job.pairs:
@@ -368,12 +374,6 @@ class WorkerPool:
             except Exception as exc:
                 self._report(job, XferState.ERROR, f"local copy failed: {exc}")
                 return None
-            if job.remote:
-                try:
-                    self._notify(job.remote, job.notif)
-                except Exception as exc:
-                    self._report(job, XferState.ERROR, f"{POST_FAILED}notification after a CUDA IPC copy: {exc}")
-                    return None
             self._report(job, XferState.DONE, "")
             return None
         if len(jobs) == 1:
