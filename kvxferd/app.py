@@ -240,8 +240,7 @@ async def _start(d: _Daemon, ready: Callable[[Ready], None] | None) -> None:
     engine_server = grpc.aio.server(options=[*opts, *server_options(caps.engine_connections)])
     peer_server = grpc.aio.server(options=[*opts, *server_options(caps.peer_connections)])
     d.servers = [engine_server, peer_server]
-    # Undecodable requests: INVALID_ARGUMENT and a summary line, not UNKNOWN and a traceback each.
-    # Peer port calls: per-source caps with room kept for peers (kvxferd.peer.call_caps), then the decode check.
+    # Peer port calls and connections capped per source, room kept for peers (peer.call_caps, ops.conn_reaper).
     calls = PeerCallGuard(peer_server, config.max_peer_calls_per_source, caps.unauthenticated_streams, config.peers,
                           metrics.peer_calls_refused, RefusalLog("peer port calls"))
     engine, peer = DecodeGuard(engine_server, RefusalLog("engine API")), DecodeGuard(calls, RefusalLog("peer port"))
@@ -332,7 +331,8 @@ async def _start(d: _Daemon, ready: Callable[[Ready], None] | None) -> None:
             await registry.start()
         except RegistryUnavailable as exc:
             raise StartupError(str(exc)) from exc
-    d.background.append(asyncio.ensure_future(_sweep(node)))
+    reap = calls.reaper(peer_port, config.max_peer_connections_per_source, caps, metrics).run()
+    d.background += [asyncio.ensure_future(_sweep(node)), asyncio.ensure_future(reap)]
     if injector is not None:
         d.background.append(asyncio.ensure_future(fault_control(
             config.socket + FAULT_CONTROL_SUFFIX, injector, delays, transport, ident, workers.run_blocking,

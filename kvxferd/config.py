@@ -199,6 +199,9 @@ class Config:
     # gRPC peer port calls one source (an IP; an IPv6 /64) holds before they authenticate: a newcomer
     # over it cuts that source's oldest such stream, or is refused (kvxferd.peer.call_caps).
     max_peer_calls_per_source: int = 32
+    # gRPC peer port connections one source holds past their first 5 s with no authenticated call: the newest over
+    # it that carry no call are shut down within a second (kvxferd.ops.conn_reaper).
+    max_peer_connections_per_source: int = 32
     # Fleet registry ([registry] table in the file; KVXFERD_REGISTRY_* in the environment).
     # "none": rooms name their prefill daemon's address; "etcd": daemons publish themselves
     # under a lease and rooms may name a prefill group only.
@@ -381,6 +384,7 @@ _CAP_RANGES = (
     ("max_peer_connections", 0, 1 << 20),
     ("max_unauthenticated_streams", 1, 1 << 16),
     ("max_peer_calls_per_source", 1, 1 << 16),
+    ("max_peer_connections_per_source", 1, 1 << 16),
 )
 
 

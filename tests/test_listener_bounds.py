@@ -3,7 +3,8 @@
 Real daemons; the hostile side is raw sockets from this process. `fl` runs with RLIMIT_NOFILE at
 1024 so that an idle-connection flood of its peer port is cheap; `p1`/`p2` are a fresh pair whose
 first control stream meets a crowd of strangers on p1's framed port; `g1`/`g2` have no framed port
-(their control stream is the Session RPC) and a small per-source cap on the gRPC peer port.
+(their control stream is the Session RPC) and small per-source caps of calls and connections on the
+gRPC peer port.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from kvxfer_protocol.lane_frames import LANE_SUFFIX, REPLY, REQUEST
 from kvxfer_protocol.pb.kvxfer.v1 import peer_pb2_grpc
 from kvxferd.addresses import call_source
 from kvxferd.config import Config
+from kvxferd.ops.conn_reaper import SOURCE, TOTAL, Conn, pick
 from kvxferd.ops.listener_bounds import RefusalLog
 from kvxferd.ops.metrics import Metrics
 from kvxferd.peer.call_caps import PeerCallGuard
@@ -45,6 +47,7 @@ LOW_NOFILE = [sys.executable, "-c", "import os, resource, sys; resource.setrlimi
               f"({NOFILE}, {NOFILE})); os.execvp(sys.argv[1], sys.argv[1:])"]
 GARBAGE = b"\xff\xff\xff\xff"  # no protobuf message parses from it (a truncated varint field)
 PER_SOURCE = 8  # g1/g2's max_peer_calls_per_source
+CONNS = 6  # g1/g2's max_peer_connections_per_source
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +58,7 @@ def fleet() -> Iterator[dict[str, DaemonProc]]:
         "p1": launch(wd, "p1", "--set", "max_peers=4", wait=False),
         "p2": launch(wd, "p2", wait=False),
         **{n: launch(wd, n, "--set", "peer_stream_port=-1", "--set", f"max_peer_calls_per_source={PER_SOURCE}",
-                     wait=False) for n in ("g1", "g2")},
+                     "--set", f"max_peer_connections_per_source={CONNS}", wait=False) for n in ("g1", "g2")},
     }
     try:
         with running(procs):
@@ -267,11 +270,10 @@ async def test_a_framed_stream_cut_before_it_was_taken_up_turns_the_pair_to_the_
     await link.close()
 
 
-def _calls_refused(d: DaemonProc) -> dict[str, float]:
+def _calls_refused(d: DaemonProc, metric: str = "kvxferd_peer_calls_refused_total") -> dict[str, float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics", timeout=5) as r:
         text = r.read().decode()
-    return {m[1]: float(m[2]) for m in re.finditer(r'^kvxferd_peer_calls_refused_total\{reason="(\w+)"\} (\S+)$',
-                                                   text, re.M)}
+    return {m[1]: float(m[2]) for m in re.finditer(rf'^{metric}\{{reason="(\w+)"\}} (\S+)$', text, re.M)}
 
 
 def test_stranger_calls_on_the_grpc_peer_port_are_capped_per_source_and_keep_no_pair_out(
@@ -354,3 +356,85 @@ def test_the_peer_call_guard_keeps_room_for_peers_past_the_total_cap() -> None:
     assert call_source("ipv6:[::ffff:10.0.0.1]:5") == call_source("ipv4:10.0.0.1:6") == "10.0.0.1"
     assert call_source("ipv6:[2001:db8::1]:5") == call_source("ipv6:[2001:db8::ffff:1]:7") == "2001:db8::/64"
     assert call_source("unix:/run/x.sock") == "unix"
+
+
+H2_SETTINGS, H2_ACK = 4, 1  # HTTP/2 frame type and flag
+
+
+def _idle_h2(address: str) -> socket.socket:
+    """A connection that completes HTTP/2's opening (preface, SETTINGS both ways, acked) and makes no
+    call: gRPC's handshake timeout does not close it, only its 120 s idle timeout."""
+    s = _open(address, 1)[0]
+    s.setblocking(True)
+    s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, H2_SETTINGS, 0, 0, 0, 0, 0]))
+    buf = b""
+    while True:  # up to the server's own SETTINGS
+        while len(buf) < 9 or len(buf) < 9 + int.from_bytes(buf[:3], "big"):
+            part = s.recv(65536)
+            assert part, "the peer port closed a new connection"
+            buf += part
+        kind, flags, buf = buf[3], buf[4], buf[9 + int.from_bytes(buf[:3], "big"):]
+        if kind == H2_SETTINGS and not flags & H2_ACK:
+            break
+    s.sendall(bytes([0, 0, 0, H2_SETTINGS, H2_ACK, 0, 0, 0, 0]))
+    s.setblocking(False)
+    return s
+
+
+def test_idle_connections_on_the_grpc_peer_port_are_cut_per_source_and_keep_no_pair_out(
+        fleet: dict[str, DaemonProc]) -> None:
+    # Before: gRPC counts connections per listener only: all 4 x CONNS idle HTTP/2 connections from one
+    # source were held (until their 120 s idle timeout). Now that source keeps CONNS of them past 5 s,
+    # the newest go, and a pair from the same address runs a room while strangers keep connecting.
+    g1, g2 = fleet["g1"], fleet["g2"]
+    cut_before = _calls_refused(g1, "kvxferd_peer_connections_cut_total").get(SOURCE, 0)
+    idle = [_idle_h2(g1.peer_address) for _ in range(4 * CONNS)]
+    more: list[socket.socket] = []
+    stop = threading.Event()
+    try:
+        wait_until(lambda: sum(map(_closed_by_peer, idle)) >= 3 * CONNS, 60,
+                   "the daemon to cut the idle connections over max_peer_connections_per_source")
+        kept = [not _closed_by_peer(s) for s in idle]
+        # The oldest kept (fewer if older idle ones of this source were there already), the newest cut.
+        assert 0 < sum(kept) <= CONNS and kept == sorted(kept, reverse=True), kept
+        cut = _calls_refused(g1, "kvxferd_peer_connections_cut_total").get(SOURCE, 0) - cut_before
+        assert cut >= len(idle) - sum(kept), cut
+
+        def keep_connecting() -> None:
+            while not stop.wait(0.25):  # (a new idle connection every 0.25 s to each daemon)
+                more.extend(_idle_h2(d.peer_address) for d in (g1, g2))
+
+        crowder = threading.Thread(target=keep_connecting, daemon=True)
+        crowder.start()
+        one_room(g1, g2, 37)  # g2's authenticated connection to g1 among its own address's strangers
+        assert peer_streams(g2).get("grpc", 0) >= 1, peer_streams(g2)
+        stop.set()
+        crowder.join(10)
+        wait_until(lambda: sum(not _closed_by_peer(s) for s in idle + more) <= 2 * CONNS, 60,
+                   "the daemons to cut the newer connections too")
+    finally:
+        stop.set()
+        for s in idle + more:
+            s.close()
+
+
+def test_the_connection_reaper_cuts_the_newest_idle_ones_and_keeps_room_for_peers() -> None:
+    def conns(ip: str, n: int) -> list[Conn]:
+        return [Conn((ip, 4000 + i), ip, 100 + i, 10 + i, float(i)) for i in range(n)]
+
+    a, b, peer = conns("10.0.0.1", 5), conns("10.0.0.2", 2), conns("10.0.0.9", 2)
+    busy = {a[4].key}  # a call in flight: call_caps bounds it, the reaper leaves it
+    got = pick(a + b + peer, per_source=2, total=4, busy=busy.__contains__, reserved={"10.0.0.9"}.__contains__)
+    # Per source: 10.0.0.1's newest idle ones (3, 2, 1) go, its oldest and the busy one stay. Then 6
+    # are left for a total of 4: the biggest sources that are not a peer's give one each, newest first.
+    assert got == [(a[3], SOURCE), (a[2], SOURCE), (a[1], SOURCE), (a[0], TOTAL), (b[1], TOTAL)], got
+    # The guard tells the reaper which connections carry a call now, and forgets closed ones it trusted.
+    guard = PeerCallGuard(None, per_source=2, total=4, peers=(), counter=Metrics().peer_calls_refused,
+                          log=RefusalLog("test"))
+    call = guard.enter(SimpleNamespace(peer=lambda: "ipv6:%5B::ffff:10.0.0.1%5D:4000"), False)
+    assert not isinstance(call, str) and guard._busy == {("10.0.0.1", 4000): 1}
+    guard.trust(call.conn)
+    guard.leave(call)
+    assert not guard._busy and guard._trusted == {("10.0.0.1", 4000)}
+    guard._forget(set())
+    assert not guard._trusted

@@ -161,6 +161,10 @@ class Metrics:
             "kvxferd_peer_calls_refused", "gRPC peer port calls refused or cut before they authenticated "
             "(source: max_peer_calls_per_source; total: max_unauthenticated_streams; cut: an older one cut for a "
             "newcomer)", ["reason"], registry=r)
+        self.peer_connections_cut = Counter(
+            "kvxferd_peer_connections_cut", "gRPC peer port connections shut down that carried no authenticated call "
+            "(source: max_peer_connections_per_source; total: over half the port's connection cap)", ["reason"],
+            registry=r)
         # Fleet registry (etcd): 1 while this daemon's record is published and the watch runs;
         # 0 means lookups of groups not seen yet cannot succeed (transfers are unaffected).
         # Labelled so that a daemon without a registry exports no series (and raises no alert).

@@ -24,6 +24,10 @@ servicers register, as listeners.DecodeGuard):
 
 Refusals and cuts are counted in kvxferd_peer_calls_refused{reason} and logged as summary lines.
 Per call: a dict insert and delete, no lock, nothing on the chunk path (chunks never touch this port).
+
+Connections that carry no call are bounded per source by kvxferd.ops.conn_reaper (`reap`): the guard
+tells it which connections (the caller's ip:port) carried an authenticated call and which carry a
+call now, and those it never cuts.
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ from typing import Any
 import grpc
 
 from kvxferd.addresses import call_source, split_hostport
-from kvxferd.ops.listener_bounds import HandlerGuard, RefusalLog
+from kvxferd.ops.conn_reaper import ConnKey, ConnReaper, conn_key
+from kvxferd.ops.listener_bounds import HandlerGuard, ListenerCaps, RefusalLog
+from kvxferd.ops.metrics import Metrics
 
 SOURCE, TOTAL, CUT = "source", "total", "cut"
 REASONS = (SOURCE, TOTAL, CUT)
@@ -47,10 +53,11 @@ MAX_VOUCHED = 4096
 
 
 class _Call:
-    __slots__ = ("cut", "done", "source", "stream", "task")
+    __slots__ = ("conn", "cut", "done", "source", "stream", "task")
 
-    def __init__(self, source: str, task: asyncio.Task[Any] | None, stream: bool) -> None:
+    def __init__(self, source: str, conn: ConnKey | None, task: asyncio.Task[Any] | None, stream: bool) -> None:
         self.source = source
+        self.conn = conn  # the connection it came on (None: a Unix socket's)
         self.task = task
         self.stream = stream
         self.cut = ""  # why it was cut, once it was
@@ -66,6 +73,7 @@ def authenticated() -> None:
     longer be cut (a no-op outside a guarded call)."""
     cur = _current.get()
     if cur is not None:
+        cur[0].trust(cur[1].conn)
         cur[0].leave(cur[1])
 
 
@@ -74,6 +82,7 @@ def vouch() -> None:
     cur = _current.get()
     if cur is not None:
         cur[0].vouch(cur[1].source)
+        cur[0].trust(cur[1].conn)
 
 
 class PeerCallGuard(HandlerGuard):
@@ -89,6 +98,8 @@ class PeerCallGuard(HandlerGuard):
         self._vouched: dict[str, None] = {}  # oldest first
         self._by_source: dict[str, dict[_Call, None]] = {}  # stranger calls per source, oldest first
         self._count = 0
+        self._trusted: set[ConnKey] = set()  # connections that carried an authenticated call (open ones)
+        self._busy: dict[ConnKey, int] = {}  # calls in flight per connection, before they authenticated
         self._counted = {r: counter.labels(reason=r) for r in REASONS}
         self._log = log
 
@@ -165,13 +176,15 @@ class PeerCallGuard(HandlerGuard):
             task = asyncio.current_task()
         except RuntimeError:  # no loop running: nothing to cut
             task = None
-        call = _Call(source, task, stream)
+        call = _Call(source, conn_key(context.peer()), task, stream)
         self._by_source.setdefault(source, {})[call] = None
         self._count += 1
+        if call.conn is not None:
+            self._busy[call.conn] = self._busy.get(call.conn, 0) + 1
         return call
 
     def _reserved_for_peers(self, source: str, context: Any) -> bool:
-        if source in self._reserved or source in self._vouched:
+        if self.reserved(source):
             return True
         try:  # with TLS client authentication, gRPC verified this certificate against the fleet CA
             return bool(context.auth_context().get("x509_pem_cert"))
@@ -199,6 +212,10 @@ class PeerCallGuard(HandlerGuard):
         if call.done:
             return
         call.done = True
+        if call.conn is not None:
+            left = self._busy.pop(call.conn, 1) - 1
+            if left:
+                self._busy[call.conn] = left
         calls = self._by_source.get(call.source)
         if calls is not None and call in calls:
             del calls[call]
@@ -211,3 +228,20 @@ class PeerCallGuard(HandlerGuard):
         self._vouched[source] = None
         if len(self._vouched) > MAX_VOUCHED:
             del self._vouched[next(iter(self._vouched))]
+
+    def trust(self, conn: ConnKey | None) -> None:
+        """The connection carried an authenticated call: the reaper never counts or cuts it."""
+        if conn is not None:
+            self._trusted.add(conn)
+
+    def _forget(self, live: set[ConnKey]) -> None:
+        self._trusted &= live
+
+    def reserved(self, source: str) -> bool:
+        return source in self._reserved or source in self._vouched
+
+    def reaper(self, port: int, per_source: int, caps: ListenerCaps, metrics: Metrics) -> ConnReaper:
+        """The connection bound of the peer port `port` (kvxferd.ops.conn_reaper), told by this guard:
+        strangers keep at most half the port's connection cap after a sweep, the rest is the peers'."""
+        return ConnReaper(port, per_source, caps.peer_connections // 2, self._trusted.__contains__,
+                          self._busy.__contains__, self.reserved, self._forget, metrics.peer_connections_cut)
