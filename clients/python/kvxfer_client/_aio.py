@@ -12,6 +12,7 @@ import grpc
 from kvxfer_client._aio_lane import AioLane
 from kvxfer_client._channel import Tls, aio_channel
 from kvxfer_client._claims import ClaimRing, merge_batch, split_batch
+from kvxfer_client._parts import PartSender, enqueue_layers_aio, seal_part
 from kvxfer_client._pinned import check_can_pin, gpu_ring_for
 from kvxfer_client._requests import (
     RELEASE_TIMEOUT_S,
@@ -26,6 +27,7 @@ from kvxfer_client._requests import (
     room_pb,
     room_status,
     still_pending,
+    watch_request,
     watermark_request,
 )
 from kvxfer_client._rings import PoolMapping, bytes_tensor, export_ring
@@ -59,10 +61,10 @@ class _AsyncEngineClient:
         socket: str | None = None, name: str = "", lease_ms: int = 0, cuda_ring: dict[str, Any] | None = None,
         map_pool: bool = True, call_timeout: float = 10.0, ring_tensor: Any = None,
         zero_copy: bool = False, kv_device: str = "", pin_host: bool = False, tls: Tls | None = None,
-        claim_slots: bool = True,
+        claim_slots: bool = True, layer_parts: bool = False,
     ) -> Any:
         """claim_slots (prefill engines): cut slots out of the ring in the client, with no call,
-        where the daemon allows it (see ClaimRing)."""
+        where the daemon allows it (see ClaimRing). layer_parts: as the blocking client's."""
         self = cls(socket=socket, call_timeout=call_timeout, tls=tls)
         self.layout = layout
         # kv_device="cuda:N": the daemon says which staging is fast there, a GPU ring or a pinned host ring.
@@ -77,7 +79,7 @@ class _AsyncEngineClient:
             cuda_ring = export_ring(ring_tensor)
         req = register_request(
             self.role, group, layout, tp_size, tp_rank, ring_bytes, name, lease_ms, cuda_ring, zero_copy=zero_copy,
-            claim_slots=claim_slots and self.role == engine_pb2.ROLE_PREFILL,
+            claim_slots=claim_slots and self.role == engine_pb2.ROLE_PREFILL, layer_parts=layer_parts,
         )
         deadline = time.monotonic() + RING_READY_TIMEOUT_S
         reply = await self._call(self.stub.RegisterEngine, req)
@@ -147,10 +149,10 @@ class _AsyncEngineClient:
             await asyncio.sleep(delay)
             delay = min(delay * 2, poll_s)
 
-    async def watch(self, chunk_progress: bool = False) -> AsyncIterator[RoomEvent]:
+    async def watch(self, chunk_progress: bool = False, layer_progress: bool = False) -> AsyncIterator[RoomEvent]:
         """Events for every room of this engine (see the sync client's watch); over the lane when
         the daemon offers one."""
-        req = engine_pb2.WatchRoomsRequest(engine_id=self.engine_id, chunk_progress=chunk_progress)
+        req = watch_request(self.engine_id, chunk_progress, layer_progress)
         lane = self.stub.lane
         if isinstance(lane, AioLane):
             async for pb in lane.stream("WatchRooms", req, engine_pb2.RoomEvent):
@@ -218,6 +220,8 @@ class AsyncPrefillSender(_AsyncEngineClient):
             self.claims = ClaimRing(self.reg.ring_bytes, self.reg.slot_align, self.reg.token_bytes)
             self._verdicts.claims = self.claims
             self.spare.enabled = False
+        assert self.layout is not None
+        self._parts = PartSender(self.layout, self.claims)
 
     async def acquire(self, num_tokens: int, timeout: float = 30.0) -> Slot:
         """A slot for `num_tokens` tokens: with claimed slots cut out of the ring here, else a
@@ -323,6 +327,19 @@ class AsyncPrefillSender(_AsyncEngineClient):
         if extra is not None:
             await self.release_slot(extra)
 
+    async def enqueue_layers(self, parts: Sequence[Chunk], wait: bool = True) -> list[KvxferError | None]:
+        """Layer parts of any rooms in one call; see PrefillSender.enqueue_layers."""
+        return await enqueue_layers_aio(self, self._parts, parts, wait)
+
+    async def seal(self, room: int, chunk_id: int, token_start: int, num_tokens: int, layer_group: int,
+                   aux: bytes = b"", generation: int = 0, wait: bool = True) -> None:
+        """Closes a room's last layer-wise chunk; see PrefillSender.seal."""
+        assert self.layout is not None
+        part = seal_part(self.layout, room, chunk_id, token_start, num_tokens, layer_group, aux, generation)
+        err = (await self.enqueue_layers([part], wait))[0]
+        if err is not None:
+            raise err
+
     async def flush(self, timeout: float | None = None) -> list[ChunkRefused]:
         """Waits for the daemon's verdict on every chunk sent with enqueue(wait=False) and returns
         the refusals not raised yet, oldest first. A daemon silent for `timeout` (the call timeout
@@ -337,7 +354,7 @@ class AsyncPrefillSender(_AsyncEngineClient):
         """The refusals among the verdicts already here, oldest first, without waiting for the
         others: an engine that checks once per step learns of a refused chunk without a round trip."""
         await self._give_back_surplus()
-        return self._verdicts.take()
+        return self._verdicts.take() + self._parts.refusals.take()
 
     async def _give_back_surplus(self) -> None:
         await self._release_all(self.spare.surplus())

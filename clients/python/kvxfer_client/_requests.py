@@ -22,13 +22,13 @@ PIPELINE_PART = 64
 def register_request(
     role: int, group: str, layout: Layout, tp_size: int, tp_rank: int, ring_bytes: int, name: str,
     lease_ms: int, cuda_ring: dict[str, Any] | None, pp_size: int = 1, pp_rank: int = 0, zero_copy: bool = False,
-    claim_slots: bool = False,
+    claim_slots: bool = False, layer_parts: bool = False,
 ) -> engine_pb2.RegisterEngineRequest:
     req = engine_pb2.RegisterEngineRequest(
         role=engine_pb2.Role.ValueType(role), group=group, layout=layout.to_pb(),
         parallel=common_pb2.Parallelism(tp_size=tp_size, tp_rank=tp_rank, pp_size=pp_size, pp_rank=pp_rank),
         ring_bytes=ring_bytes, lease_ms=lease_ms, name=name, zero_copy=zero_copy, claim_slots=claim_slots,
-        protocol_version=PROTOCOL_VERSION,
+        protocol_version=PROTOCOL_VERSION, layer_parts=layer_parts,
     )
     if cuda_ring is not None:
         req.cuda_ring.CopyFrom(engine_pb2.CudaIpcRing(**cuda_ring))
@@ -101,6 +101,8 @@ def fill_chunk(req: engine_pb2.EnqueueChunkRequest, engine_id: str, c: Chunk) ->
         slot.offset, slot.length = c.slot.offset, c.slot.length
         if c.slot.claim:
             req.claim = c.slot.claim
+    if c.layer_group:
+        req.layer_group, req.layer_start, req.layer_end = c.layer_group, c.layer_start, c.layer_end
     return req
 
 
@@ -121,7 +123,9 @@ def _failure_name(code: int) -> str:
 
 
 def landed(pb: engine_pb2.LandedChunk) -> Landed:
-    return Landed(pb.chunk_id, pb.slot.offset, pb.slot.length, pb.token_start, pb.num_tokens, pb.last, pb.chunk_bytes)
+    # A daemon older than protocol 1.1 names no layers and sends only complete chunks.
+    return Landed(pb.chunk_id, pb.slot.offset, pb.slot.length, pb.token_start, pb.num_tokens, pb.last, pb.chunk_bytes,
+                  pb.layer_group, pb.layer_start, pb.layer_end, pb.chunk_complete or not pb.layer_end)
 
 
 def room_status(pb: engine_pb2.RoomStatus) -> RoomStatus:
@@ -140,6 +144,11 @@ def room_event(pb: engine_pb2.RoomEvent) -> RoomEvent:
         landed=landed(pb.landed) if pb.HasField("landed") else None, aux=bytes(pb.aux),
         chunks_done=pb.chunks_done, pages_fenced=pb.pages_fenced,
     )
+
+
+def watch_request(engine_id: str, chunk_progress: bool, layer_progress: bool) -> engine_pb2.WatchRoomsRequest:
+    return engine_pb2.WatchRoomsRequest(engine_id=engine_id, chunk_progress=chunk_progress,
+                                        layer_progress=layer_progress)
 
 
 def watermark_request(engine_id: str, room: int, chunk_ids: Iterable[int], generation: int = 0) -> engine_pb2.WatermarkRequest:

@@ -22,6 +22,7 @@ from kvxfer_client._requests import (
     room_pb,
     room_status,
     still_pending,
+    watch_request,
     watermark_request,
 )
 from kvxfer_client._rings import PoolMapping, bytes_tensor, export_ring
@@ -84,8 +85,10 @@ class _EngineClient:
         socket: str | None = None, name: str = "", lease_ms: int = 0, cuda_ring: dict[str, Any] | None = None,
         map_pool: bool = True, call_timeout: float = 10.0, ring_tensor: Any = None,
         zero_copy: bool = False, kv_device: str = "", pin_host: bool = False, tls: Tls | None = None,
-        claim_slots: bool = False,
+        claim_slots: bool = False, layer_parts: bool = False,
     ) -> None:
+        """layer_parts (decode engines, protocol 1.1): this engine scatters group-major slots, so
+        its rooms may receive chunks as layer parts (see watch(layer_progress=True))."""
         self._channel = sync_channel(socket, tls)
         self.stub = RoutedStub(engine_pb2_grpc.EngineStub(self._channel))
         self._timeout = call_timeout
@@ -104,7 +107,7 @@ class _EngineClient:
         self.tp_size, self.tp_rank = tp_size, tp_rank
         req = register_request(
             self.role, group, layout, tp_size, tp_rank, ring_bytes, name, lease_ms, cuda_ring, zero_copy=zero_copy,
-            claim_slots=claim_slots,
+            claim_slots=claim_slots, layer_parts=layer_parts,
         )
         deadline = time.monotonic() + RING_READY_TIMEOUT_S
         reply = self._call(self.stub.RegisterEngine, req)
@@ -173,14 +176,16 @@ class _EngineClient:
             time.sleep(delay)
             delay = min(delay * 2, poll_s)
 
-    def watch(self, chunk_progress: bool = False) -> EventStream:
+    def watch(self, chunk_progress: bool = False, layer_progress: bool = False) -> EventStream:
         """Events for every room of this engine, as they happen (server stream).
 
         chunk_progress: a sending engine also hears each chunk it sent being written
-        (RoomEvent.chunks_done); without it, only state changes, once each. The stream ends when
-        it is cancelled (from any thread) or dropped.
+        (RoomEvent.chunks_done); without it, only state changes, once each. layer_progress: a
+        decode engine registered with layer_parts also hears each landed layer range of a chunk
+        (``landed.layer_start``/``layer_end``; ``landed.chunk_complete`` on the one completing it).
+        The stream ends when it is cancelled (from any thread) or dropped.
         """
-        req = engine_pb2.WatchRoomsRequest(engine_id=self.engine_id, chunk_progress=chunk_progress)
+        req = watch_request(self.engine_id, chunk_progress, layer_progress)
         lane = self.stub.lane
         if isinstance(lane, SyncLane):
             return EventStream(lane.stream("WatchRooms", req, engine_pb2.RoomEvent, self._timeout))

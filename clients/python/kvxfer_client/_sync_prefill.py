@@ -13,6 +13,7 @@ import grpc
 
 from kvxfer_client._claims import ClaimRing, merge_batch, split_batch
 from kvxfer_client._lane import SyncLane
+from kvxfer_client._parts import PartSender, seal_part
 from kvxfer_client._requests import PIPELINE_PART, acquire_request, chunk_request, chunks_request, retry_full_or_raise
 from kvxfer_client._spare import SpareSlot
 from kvxfer_client._sync import _EngineClient
@@ -40,6 +41,7 @@ class PrefillSender(_EngineClient):
             self.claims = ClaimRing(self.reg.ring_bytes, self.reg.slot_align, self.reg.token_bytes)
             self._verdicts.claims = self.claims
             self.spare.enabled = False
+        self._parts = PartSender(self.layout, self.claims)
 
     def acquire(self, num_tokens: int, timeout: float = 30.0) -> Slot:
         """A slot for `num_tokens` tokens. With claimed slots: cut out of the ring here (the
@@ -149,6 +151,40 @@ class PrefillSender(_EngineClient):
         if extra is not None:
             self.release_slot(extra)
 
+    def enqueue_layers(self, parts: Sequence[Chunk], wait: bool = True) -> list[KvxferError | None]:
+        """Layer parts (``layer_part``/``seal_part``) of any rooms, in one EnqueueChunks: send
+        every group written since the last call as one part per chunk. Returns None per part
+        accepted, else its error; a part that is not one raises INVALID_ARGUMENT and nothing goes.
+
+        wait=False (over the daemon's lane): returns once the call is written (all None; what
+        cannot be sent at all raises); the refusals come back from flush() or settle(). The slot
+        of a chunk is the daemon's from its first part on: do not release it, even if a later
+        part is refused (fail the room instead)."""
+        self._read_verdicts()
+        call = self._parts.prepare(self.engine_id, parts)
+        if call.request is None:
+            return call.errors
+        lane = self.stub.lane
+        try:
+            if not wait and isinstance(lane, SyncLane):
+                lane.send_deferred("EnqueueChunks", call.request,
+                                   self._parts.on_reply(call, threading.get_ident()), self._timeout)
+                return call.errors
+            reply = self._call(self.stub.EnqueueChunks, call.request)
+        except BaseException as exc:
+            self._parts.failed(call, exc)
+            raise
+        return self._parts.replied(call, reply)
+
+    def seal(self, room: int, chunk_id: int, token_start: int, num_tokens: int, layer_group: int,
+             aux: bytes = b"", generation: int = 0, wait: bool = True) -> None:
+        """Closes a room's last layer-wise chunk (no slot, no bytes) with ``aux``; raises its
+        refusal (wait=False: see enqueue_layers)."""
+        err = self.enqueue_layers(
+            [seal_part(self.layout, room, chunk_id, token_start, num_tokens, layer_group, aux, generation)], wait)[0]
+        if err is not None:
+            raise err
+
     @contextlib.contextmanager
     def _unsent_on_raise(self, claim: int) -> Iterator[None]:
         """Around a deferred send: one that raises sent nothing, and the claim stays the engine's."""
@@ -161,21 +197,21 @@ class PrefillSender(_EngineClient):
 
     def flush(self, timeout: float | None = None) -> list[ChunkRefused]:
         """Waits for the daemon's verdict on every chunk this thread sent with enqueue(wait=False)
-        and returns the refusals not raised yet, oldest first (an engine that sends a batch
+        (and enqueue_layers) and returns the refusals not raised yet, oldest first (parts after chunks) (an engine that sends a batch
         of chunks this way and flushes once learns every verdict for one round trip). A daemon
         that stays silent for `timeout` (the call timeout by default) or goes away refuses
         what is outstanding with DEADLINE_EXCEEDED or UNAVAILABLE."""
         lane = self.stub.lane
         if isinstance(lane, SyncLane):
             lane.wait_deferred(timeout or self._timeout)
-        return self._verdicts.take()
+        return self._verdicts.take() + self._parts.refusals.take()
 
     def settle(self) -> list[ChunkRefused]:
         """The refusals among the verdicts already here for this thread's enqueue(wait=False)
         chunks, oldest first, without waiting for the others (flush() waits for them all): an
         engine that checks once per scheduler step learns of a refused chunk without a round trip."""
         self._read_verdicts()
-        return self._verdicts.take()
+        return self._verdicts.take() + self._parts.refusals.take()
 
     def _settle_deferred(self) -> None:
         """Reads the verdicts that are already here, gives back surplus spares, raises a refusal."""

@@ -63,7 +63,8 @@ class Slot:
 
 @dataclass(frozen=True)
 class Landed:
-    """A chunk whose every writer has landed in this reader's ring."""
+    """A chunk whose every writer has landed in this reader's ring; in a layer_progress event
+    (``watch(layer_progress=True)``), the layers ``[layer_start, layer_end)`` of it that landed."""
 
     chunk_id: int
     offset: int
@@ -72,6 +73,16 @@ class Landed:
     num_tokens: int
     last: bool
     chunk_bytes: int
+    # The slot's layers a group (0: one group, the whole-chunk layout).
+    layer_group: int = 0
+    layer_start: int = 0
+    layer_end: int = 0
+    # Every layer of the chunk is held: scatter what is left and watermark it.
+    chunk_complete: bool = True
+
+    def layers(self, num_layers: int) -> tuple[int, int]:
+        """The layer range this says landed: the whole chunk when no range is named."""
+        return (self.layer_start, self.layer_end) if self.layer_end else (0, num_layers)
 
 
 @dataclass(frozen=True)
@@ -121,6 +132,11 @@ class Chunk:
     aux: bytes = b""
     generation: int = 0
     pages: tuple[int, ...] = ()
+    # A layer part (kvxfer_client._parts): layers [layer_start, layer_end) of a group-major slot of
+    # layer_group layers a group; all 0: the whole chunk.
+    layer_group: int = 0
+    layer_start: int = 0
+    layer_end: int = 0
 
 
 @dataclass

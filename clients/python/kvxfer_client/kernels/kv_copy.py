@@ -224,7 +224,9 @@ class KVPages:
 
         A group of ``g`` layers starts at ``lo * heads * b`` (``b`` = one layer-head's planes x
         tokens x row bytes) whatever ``g`` the slot was cut with, because every earlier group holds
-        all heads of its layers; so a range that is a union of whole groups is one byte range too.
+        all heads of its layers. Copy one group at a time: the view of several groups is one byte
+        range (a part's bytes), but laid out ``[groups, heads, g, ...]``, not ``layers(lo, hi)``'s
+        ``[heads, hi - lo, ...]`` (the two agree only for one head).
         """
         self._check_layers(lo, hi)
         heads = self.local_heads if num_heads is None else num_heads
