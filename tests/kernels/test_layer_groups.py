@@ -11,13 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvxfer_client.kernels import KVPages, TileConfig, slot_nbytes, triton_available
+from kvxfer_client.kernels import KVPages, slot_nbytes, triton_available
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed")
 
 LAYERS, SLOTS, DIM, PAGE = 5, 32, 8, 4
-# Small tiles: several programs per axis and a partial layer-plane group, as real shapes have.
-SMALL_TILE = TileConfig(target_tile_bytes=256, lp_per_prog=3, num_warps=1)
 
 
 def _raw(shape: tuple[int, ...], device: str, gen: torch.Generator) -> torch.Tensor:
@@ -63,7 +61,7 @@ def test_groups_gather_and_scatter_every_byte(
         part = kv.layers(lo, hi)
         assert part.num_layers == hi - lo and part.planes == planes
         part.gather(pages, tokens, PAGE, kv.group_view(slot, lo, hi, tokens, nh), h0, nh,
-                    token_offset=offset, backend="triton", tile=SMALL_TILE)
+                    token_offset=offset, backend="triton")
     kv.settle()
     assert torch.equal(_bits(slot), _bits(want)), f"{name} g={layer_group}: group-major gather differs"
     if layer_group == LAYERS:
@@ -76,7 +74,7 @@ def test_groups_gather_and_scatter_every_byte(
     kv2 = KVPages(k2, v2, **({} if staging is None else {"staging_bytes": staging}))
     for lo, hi in _groups(layer_group):
         kv2.layers(lo, hi).scatter(pages, tokens, PAGE, kv2.group_view(fresh_dev, lo, hi, tokens, nh), h0, nh,
-                                   token_offset=offset, backend="triton", tile=SMALL_TILE)
+                                   token_offset=offset, backend="triton")
     kv2.settle()
     # The same bytes in today's layout: group j's [nh, g_j, planes, T, D] back into its layers.
     per_layer = fresh.numel() // LAYERS
