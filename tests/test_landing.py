@@ -1,16 +1,32 @@
 """The decode side's layer coverage (kvxferd.datapath.landing): a chunk lands only when every
-expected writer covered every layer, once; whole chunks are the range [0, L)."""
+expected writer covered every layer, once; whole chunks are the range [0, L). Then the receiver
+on an in-process node: layer events (merged per loop turn, only to watchers that asked), PollRoom
+and watermarks on complete chunks only, MISMATCH on both sides, the Bootstrap's opt-in."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import itertools
 import random
+from typing import Any
 
 import pytest
 
+from kvxfer_protocol.slot_layout import KVLayout, part_bytes
+from kvxferd.core.engines import Engine
+from kvxferd.core.node import Node
+from kvxferd.core.peer_port import BootstrapAnswer, BootstrapMsg
+from kvxferd.core.rooms import RecvRoom
+from kvxferd.core.types import EngineSpec, FailureCode, LandedChunk, Parallelism, Role, RoomKey, RoomState
 from kvxferd.datapath.landing import ChunkLanding, Landed, LayerMismatch, group_size, layer_span, runs, span_mask
+from kvxferd.datapath.notif import Notif
+from kvxferd.errors import InvalidArgument
+from tests import test_data_path_refusals as refusals
+from tests.test_data_path_refusals import Link
 
 L = 10
+node = refusals.node  # the in-process node fixture (a daemon without NIXL, peers that record what they get)
 
 
 def test_a_whole_chunk_is_every_layer_and_lands_when_its_last_writer_does() -> None:
@@ -105,3 +121,141 @@ def test_group_size_and_span_helpers() -> None:
     for _ in range(500):
         m = rng.getrandbits(80)
         assert sum(span_mask(a, b) for a, b in runs(m)) == m
+
+
+# ---------------------------------------------------------------- the receiver and its events, in-process
+
+LAYERS = KVLayout(8, 4, 16, 2, 16)
+
+
+def decode_engine(n: Node, layer_parts: bool = True) -> Engine:
+    return n.register_engine(EngineSpec(Role.DECODE, "d", LAYERS, Parallelism(1, 0), 1 << 20, None, 0, "d",
+                                        layer_parts=layer_parts), None)
+
+
+async def bootstrapped(n: Node, eng: Engine, peer: Link, rid: int, prefill_tp: int, tokens: int = 16) -> RecvRoom:
+    async def connect(addr: str) -> Link:
+        return peer
+
+    n.recv.connect = connect
+    n.expect_room(eng.id, RoomKey(rid), "1.2.3.4:5", "p", tokens, 0)
+    await asyncio.sleep(0.01)
+    n.on_bootstrap_reply(peer, BootstrapAnswer(RoomKey(rid), 0, 0, "", prefill_tp, LAYERS, False))
+    await asyncio.sleep(0.01)
+    room = n.recv.rooms[rid]
+    assert room.plan is not None and room.state is RoomState.WAITING_FOR_INPUT
+    return room
+
+
+def drain(q: asyncio.Queue[Any]) -> list[tuple[int, int, int, bool, int]]:
+    """(chunk, layer_start, layer_end, chunk_complete, layer_group) of each landed event; states as -1."""
+    out = []
+    while q.qsize():
+        ev = q.get_nowait()
+        c = ev.landed
+        out.append((-1, 0, 0, False, int(ev.state)) if c is None else
+                   (c.chunk_id, c.layer_start, c.layer_end, c.chunk_complete, c.layer_group))
+    return out
+
+
+async def test_layer_parts_of_two_writers_land_per_range_and_the_chunk_once_both_covered_every_layer(
+        node: Node) -> None:
+    dec = decode_engine(node)
+    peer = Link("pre")
+    room = await bootstrapped(node, dec, peer, 5, prefill_tp=2)  # 4 heads: writers 0, 1 each bring 2
+    (boot_msg,), _ = peer.of("bootstrap")[0]
+    assert boot_msg.layer_parts is True  # the engine opted in: its Bootstrap says so
+    layered, plain = node.watch(dec.id, layer_progress=True), node.watch(dec.id)
+    (gid,) = node.ledger.grants
+    key = RoomKey(5)
+
+    def part(writer: int, start: int, end: int, chunk: int = 0, tokens: tuple[int, int] = (0, 16)) -> None:
+        tb = part_bytes(LAYERS, 1, 0, 1)
+        node.recv.landed(Notif(key, chunk, writer, 0, tokens[0], tokens[1], tokens[0] + tokens[1] == 16, gid,
+                               tokens[0] * tb, room.notif_token, 2, start, end))
+
+    # Chunk 0 (tokens [0, 8)) in groups of 2 layers; writer 1 first, out of order.
+    part(1, 2, 6, tokens=(0, 8))
+    part(0, 0, 4, tokens=(0, 8))  # layers [2, 4) now held from both, [0, 2) still lacks writer 1
+    part(0, 4, 6, tokens=(0, 8))  # [4, 6) too: merged with [2, 4) in this loop turn
+    assert drain(layered) == [] and drain(plain) == []  # sent at the turn's end, not per part
+    await asyncio.sleep(0)
+    assert drain(layered) == [(0, 2, 6, False, 2)]
+    assert drain(plain) == [] and node.poll_room(dec.id, key).landed == ()  # PollRoom: complete chunks only
+    with pytest.raises(InvalidArgument, match="has not landed"):
+        node.watermark(dec.id, key, [0])
+    part(1, 0, 2, tokens=(0, 8))
+    part(0, 6, 8, tokens=(0, 8))
+    part(1, 6, 8, tokens=(0, 8))  # completes chunk 0: at once, with the layers still unsent
+    assert drain(layered) == [(0, 0, 2, False, 2), (0, 6, 8, True, 2)]
+    assert drain(plain) == [(0, 0, 0, True, 2)]
+    (view,) = node.poll_room(dec.id, key).landed
+    assert (view.chunk_id, view.chunk_complete, view.layer_group, view.num_tokens) == (0, True, 2, 8)
+    node.watermark(dec.id, key, [0])
+    # Chunk 1 (tokens [8, 16)): whole groups merged into single ranges; the room ends with it.
+    part(0, 0, 8, chunk=1, tokens=(8, 8))
+    part(1, 0, 8, chunk=1, tokens=(8, 8))
+    node.recv.complete(peer, key, 0, 2, b"")
+    assert room.state is RoomState.SUCCESS
+    assert drain(layered) == [(1, 0, 8, True, 2), (-1, 0, 0, False, int(RoomState.SUCCESS))]
+    assert drain(plain) == [(1, 0, 0, True, 2), (-1, 0, 0, False, int(RoomState.SUCCESS))]
+
+
+async def test_a_whole_chunk_lands_as_before_for_every_watcher(node: Node) -> None:
+    dec = decode_engine(node)
+    peer = Link("pre")
+    room = await bootstrapped(node, dec, peer, 6, prefill_tp=1)
+    layered, plain = node.watch(dec.id, layer_progress=True), node.watch(dec.id)
+    (gid,) = node.ledger.grants
+    node.recv.landed(Notif(RoomKey(6), 0, 0, 0, 0, 16, True, gid, 0, room.notif_token))  # a kvx3 entry
+    assert drain(layered) == [(0, 0, 8, True, 0)]
+    ev = plain.get_nowait()
+    assert ev.landed == LandedChunk(0, ev.landed.slot, 0, 16, True, part_bytes(LAYERS, 1, 0, 16))
+
+
+@pytest.mark.parametrize(("entries", "why"), [
+    ([(0, 2, 0, 4), (0, 2, 2, 6)], "layers [2, 4) of chunk 0 from writer 0 landed twice"),
+    ([(0, 0, 0, 0), (0, 0, 0, 0)], "layers [0, 8) of chunk 0 from writer 0 landed twice"),
+    ([(0, 2, 0, 2), (1, 4, 0, 4)], "writers of chunk 0 disagree on its layer group (4 vs 2 layers)"),
+    ([(0, 2, 0, 2), (1, 0, 0, 0)], "writers of chunk 0 disagree on its layer group (8 vs 2 layers)"),
+    ([(0, 4, 2, 6)], "layers [2, 6) do not fall on groups of 4 layers"),
+    ([(0, 4, 4, 12)], "layers [4, 12) are not a part of a 8-layer chunk"),
+])
+async def test_layers_landing_twice_or_off_the_grid_fail_the_room_on_both_sides(
+        node: Node, entries: list[tuple[int, int, int, int]], why: str) -> None:
+    dec = decode_engine(node)
+    peer = Link("pre")
+    room = await bootstrapped(node, dec, peer, 7, prefill_tp=2)
+    watch = node.watch(dec.id, layer_progress=True)
+    (gid,) = node.ledger.grants
+    for writer, group, start, end in entries:
+        node.recv.landed(Notif(RoomKey(7), 0, writer, 0, 0, 16, True, gid, 0, room.notif_token, group, start, end))
+    assert room.state is RoomState.FAILED and room.failure_code is FailureCode.MISMATCH
+    assert room.failure_reason == why
+    (abort,) = peer.of("abort")
+    assert abort[0][0] == RoomKey(7) and abort[0][2] == why
+    # No layer event of a failed room follows its end; the range went back to the prefill side.
+    await asyncio.sleep(0)
+    assert drain(watch)[-1] == (-1, 0, 0, False, int(RoomState.FAILED))
+    assert node.slots_held() == 0 and peer.of("release")
+
+
+async def test_the_bootstrap_carries_the_readers_opt_in_and_the_prefill_room_names_who_did_not(node: Node) -> None:
+    dec = decode_engine(node, layer_parts=False)
+    peer = Link("pre")
+    await bootstrapped(node, dec, peer, 8, prefill_tp=1)
+    (boot_msg,), _ = peer.of("bootstrap")[0]
+    assert boot_msg.layer_parts is False
+    # The prefill side: a room's readers and what their Bootstraps said.
+    node.register_engine(EngineSpec(Role.PREFILL, "p", LAYERS, Parallelism(1, 0), 1 << 20, None, 0, "p"), None)
+    dec_peer = Link("dec")
+    msg = BootstrapMsg(RoomKey(9), "p", 0, 2, LAYERS, 16, 0, "ring", notif_token=bytes(16), layer_parts=True)
+    assert node.on_bootstrap(dec_peer, msg).code == 0
+    sroom = node.send.rooms[9]
+    assert sroom.layer_parts_refusal() == ""  # reader 1 has not bootstrapped: nothing known against it
+    assert node.on_bootstrap(dec_peer, dataclasses.replace(msg, reader=1, layer_parts=False)).code == 0
+    assert sroom.layer_parts_refusal() == (
+        "decode rank 1 of room 9.0 takes no layer parts (engine or daemon older than protocol 1.1)")
+    # A reader's Bootstrap again (a retry), now with the opt-in: it counts.
+    assert node.on_bootstrap(dec_peer, dataclasses.replace(msg, reader=1)).code == 0
+    assert node.send.rooms[9] is sroom and sroom.layer_parts_refusal() == "" and sroom.layer_readers == {0, 1}

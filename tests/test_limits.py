@@ -325,7 +325,7 @@ def test_status_cli_prints_every_cap(pair: Pair) -> None:
 def test_a_watcher_that_stops_reading_is_cut_off_alone() -> None:
     """The watch backlog (events a WatchRooms reader has not taken) is capped per stream: the slow
     stream ends with RESOURCE_EXHAUSTED, the engine's other watcher keeps every event."""
-    eng = SimpleNamespace(id="e1", watchers=set(), progress_watchers=set())
+    eng = SimpleNamespace(id="e1", watchers=set(), progress_watchers=set(), layer_watchers=set())
     table = SimpleNamespace(limits=Limits(Config(max_watch_backlog=16, max_watchers_per_engine=2)),
                             engines={"e1": eng}, get=lambda engine_id: eng)
     hub = EventHub(table)  # type: ignore[arg-type]

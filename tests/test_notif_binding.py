@@ -101,7 +101,8 @@ def test_notifications_from_anyone_but_the_rooms_writer_change_nothing() -> None
             forged[reason] += 1
 
         for cid in (1, 2):
-            spec: Any = SimpleNamespace(chunk_id=cid, token_start=16 * cid, num_tokens=16, last=cid == 2)
+            spec: Any = SimpleNamespace(chunk_id=cid, token_start=16 * cid, num_tokens=16, last=cid == 2, layer_group=0,
+                                       layer_end=0)
             for off in (0, CHUNK * cid, CHUNK * 2 * cid):
                 # Under its own agent, with the writer's real credit: not the room's writer.
                 send(hostile, "sender", encode_notif(key, spec, 0, 0, credit, off, token=guess))
@@ -157,7 +158,8 @@ def zero_copy_room(stack: contextlib.ExitStack, d: DaemonProc, p: DaemonProc, sp
     wait_for("the zero-copy room bootstrapped", lambda: zrx.poll(room).state is RoomState.WAITING_FOR_INPUT, 30)
     key, guess = RoomKey(room), new_token()
     for cid, (start, n) in enumerate(((0, split), (split, tokens - split))):
-        spec: Any = SimpleNamespace(chunk_id=cid, token_start=start, num_tokens=n, last=cid == 1)
+        spec: Any = SimpleNamespace(chunk_id=cid, token_start=start, num_tokens=n, last=cid == 1, layer_group=0,
+                                   layer_end=0)
         for _ in range(3):
             spoof("token", encode_notif(key, spec, 0, 0, token=new_token()))
         spoof("token", encode_notif(key, spec, 0, 0, token=guess))

@@ -59,6 +59,8 @@ class Engine:
     watchers: set[asyncio.Queue[RoomEvent | KvxferError | None]] = field(default_factory=set)
     # Those of them that asked for an event per chunk written (WatchRoomsRequest.chunk_progress).
     progress_watchers: set[asyncio.Queue[RoomEvent | KvxferError | None]] = field(default_factory=set)
+    # Those that asked for an event per landed layer range (WatchRoomsRequest.layer_progress).
+    layer_watchers: set[asyncio.Queue[RoomEvent | KvxferError | None]] = field(default_factory=set)
     send_rooms: set[int] = field(default_factory=set)
     recv_rooms: set[int] = field(default_factory=set)
     closing: bool = False

@@ -253,8 +253,8 @@ class Node:
             self.recv.release(eng, room)
         self.refresh_metrics()
 
-    def watch(self, engine_id: str, chunk_progress: bool = False) -> asyncio.Queue[Any]:
-        return self.hub.watch(engine_id, chunk_progress)
+    def watch(self, engine_id: str, chunk_progress: bool = False, layer_progress: bool = False) -> asyncio.Queue[Any]:
+        return self.hub.watch(engine_id, chunk_progress, layer_progress)
 
     def open_stream(self) -> StreamTicket:
         """A server stream opens: counted (open_streams cap) until its ticket is closed."""
@@ -342,11 +342,17 @@ class Node:
     # ------------------------------------------------------------------ PeerInbox: what peers send us
 
     def on_bootstrap(self, peer: Link, m: BootstrapMsg) -> BootstrapAnswer:
+        known = self.send.rooms.get(m.room.id)
+        if known is not None and known.key == m.room:
+            # Before bootstrap() hands the room's waiting parts to the scheduler (they are checked
+            # against it then); a refused bootstrap adds no reader, so this counts for nothing.
+            known.note_layer_parts(m.reader, m.layer_parts)
         try:
             room = self.send.bootstrap(peer, m.room, m.group, m.reader, m.decode_tp, m.layout, m.num_tokens,
                                        m.deadline_unix_ms, m.reader_ring, m.zero_copy, m.notif_token)
         except KvxferError as exc:
             return BootstrapAnswer(m.room, m.reader, exc.code, str(exc))
+        room.note_layer_parts(m.reader, m.layer_parts)  # a room this bootstrap created
         assert room.layout is not None
         return BootstrapAnswer(m.room, m.reader, 0, "", room.prefill_tp, room.layout, room.zero_copy)
 

@@ -51,6 +51,7 @@ class BootstrapMsg:
     reader_ring: str
     zero_copy: ZeroCopyTarget | None = None
     notif_token: bytes = b""  # the room's (kvxferd.datapath.notif): its writer puts it in every notification
+    layer_parts: bool = False  # the reader's engine scatters layer parts (protocol 1.1)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from kvxferd.core.engines import Engine
 from kvxferd.core.peer_port import Link
 from kvxferd.core.types import ChunkSpec, FailureCode, LandedChunk, RoomKey, RoomState, SlotRef, ZeroCopyTarget
 from kvxferd.datapath.credits import HeldRange
+from kvxferd.datapath.landing import ChunkLanding
 from kvxferd.datapath.notif import new_token
 
 logger = logging.getLogger(__name__)
@@ -139,6 +140,23 @@ class SendRoom(RoomBase):
         # Ranks whose engine released the room (ReleaseRoom); forgotten once every rank did.
         self.released_by: set[int] = set()
 
+        # Decode ranks that bootstrapped with Bootstrap.layer_parts (their engine scatters layer parts).
+        self.layer_readers: set[int] = set()
+
+    def note_layer_parts(self, reader: int, layer_parts: bool) -> None:
+        if layer_parts:
+            self.layer_readers.add(reader)
+        else:
+            self.layer_readers.discard(reader)
+
+    def layer_parts_refusal(self) -> str:
+        """Why this room may not take layer parts, or "": a reader bootstrapped without opting in.
+        Readers not bootstrapped yet are not known: parts wait for them like whole chunks, and the
+        check runs again once they bootstrap."""
+        for r in sorted(self.readers - self.layer_readers):
+            return f"decode rank {r} of room {self.key} takes no layer parts (engine or daemon older than protocol 1.1)"
+        return ""
+
     def all_writers_finished(self) -> bool:
         return len(self.writers) == self.prefill_tp and all(w.finished for w in self.writers.values())
 
@@ -165,14 +183,19 @@ class InSlot:
     num_tokens: int
     last: bool
     chunk_bytes: int
-    expected_writers: frozenset[int]
+    # The layers each expected writer landed (a whole chunk lands as all of them at once).
+    layers: ChunkLanding
     # Where the prefill side wrote it: credit id and offset inside the credit (0, 0: zero-copy).
     credit_id: int = 0
     credit_offset: int = 0
-    landed_writers: set[int] = field(default_factory=set)
+    # Every layer from every expected writer: the engine may read it (PollRoom lists only these).
     landed: bool = False
     consumed: bool = False
     freed: bool = False
+
+    @property
+    def expected_writers(self) -> frozenset[int]:
+        return self.layers.expected
 
 
 @dataclass(eq=False)
@@ -253,8 +276,13 @@ def token_gap(spans: Iterable[tuple[int, int]], total: int) -> str:
     return f"tokens [{pos}, {total}) were never sent" if pos < total else ""
 
 
-def landed_view(cid: int, s: InSlot) -> LandedChunk:
-    return LandedChunk(cid, SlotRef(max(0, s.offset), s.length), s.token_start, s.num_tokens, s.last, s.chunk_bytes)
+def landed_view(cid: int, s: InSlot, layers: tuple[int, int] = (0, 0)) -> LandedChunk:
+    """`layers`: the range a layer_progress event reports; (0, 0) for a complete chunk's view.
+    The group is the writers' (0 for one group: a whole chunk reads as before layer parts)."""
+    lay = s.layers
+    group = 0 if lay.layer_group >= lay.num_layers else lay.layer_group
+    return LandedChunk(cid, SlotRef(max(0, s.offset), s.length), s.token_start, s.num_tokens, s.last, s.chunk_bytes,
+                       group, layers[0], layers[1], s.landed)
 
 
 async def abort_unseen(connect: Callable[[str], Awaitable[Link]], room: RecvRoom, code: FailureCode,

@@ -24,7 +24,9 @@ from kvxferd.core.rooms import InSlot, ReaderState, RecvRoom, RoomBase, abort_un
 from kvxferd.core.types import FailureCode, Role, RoomKey, RoomState, ZeroCopyTarget
 from kvxferd.datapath.credits import CreditLedger
 from kvxferd.datapath.fence import PageFence
+from kvxferd.datapath.landing import ChunkLanding, LayerMismatch
 from kvxferd.datapath.notif import NO_CREDIT, Notif, NotifDrops, from_writers
+from kvxferd.datapath.ranges import let_go, release_all
 from kvxferd.datapath.sender import MAX_AUX_BYTES, MAX_CHUNK_ID, layouts_compatible
 from kvxferd.errors import AlreadyExists, FailedPrecondition, InvalidArgument, KvxferError, NotFound, PermissionDenied
 from kvxferd.fleet.registry import NoRegistry, Registry
@@ -162,7 +164,7 @@ class RecvSide:
             self._boot_waits[(room.key, reader)] = fut
             peer.send_bootstrap(BootstrapMsg(
                 room.key, room.prefill_group, reader, room.decode_tp, room.layout, room.num_tokens or 0,
-                deadline_ms, rs.engine.id, target, room.notif_token,
+                deadline_ms, rs.engine.id, target, room.notif_token, rs.engine.spec.layer_parts,
             ))
             try:
                 ans = await fut
@@ -302,9 +304,10 @@ class RecvSide:
             self.drops.drop("writer", key, f"unexpected writer {writer} for chunk {chunk_id} reader {reader}")
             return
         if slot is None:
+            layers = ChunkLanding(chunk_id, room.layout.num_layers, expected)
             if rs.engine.spec.zero_copy:
                 # Zero-copy: the chunk lands in the reader's own pages.
-                slot = InSlot(-1, 0, n.token_start, n.num_tokens, n.last, 0, expected)
+                slot = InSlot(-1, 0, n.token_start, n.num_tokens, n.last, 0, layers)
             else:
                 nbytes = part_bytes(room.layout, room.decode_tp, reader, n.num_tokens)
                 g = None if n.credit_id == NO_CREDIT or room.peer is None else self.ledger.valid(
@@ -312,7 +315,7 @@ class RecvSide:
                 if g is None or n.offset in g.live:  # (live: another chunk holds that range)
                     self.drops.drop("credit" if g is None else "held", key, f"chunk {chunk_id} at offset {n.offset}")
                     return
-                slot = InSlot(g.offset + n.offset, nbytes, n.token_start, n.num_tokens, n.last, nbytes, expected,
+                slot = InSlot(g.offset + n.offset, nbytes, n.token_start, n.num_tokens, n.last, nbytes, layers,
                               credit_id=n.credit_id, credit_offset=n.offset)
                 self.ledger.hold(g, n.offset)
             rs.slots[chunk_id] = slot
@@ -320,13 +323,16 @@ class RecvSide:
               or (slot.credit_id, slot.credit_offset) != (n.credit_id, n.offset)):
             self.fail(room, FailureCode.MISMATCH, f"writers of chunk {chunk_id} disagree on its tokens or slot")
             return
-        slot.landed_writers.add(writer)
-        if slot.landed or slot.landed_writers != set(slot.expected_writers):
+        try:  # every layer of every writer once; whole chunks are layers [0, L)
+            got = slot.layers.land(writer, n.layer_group, n.layer_start, n.layer_end)
+        except LayerMismatch as exc:
+            self.fail(room, FailureCode.MISMATCH, str(exc))
             return
-        slot.landed = True
-        room.advance(RoomState.TRANSFERRING)
-        self.hub.landed(room, rs, chunk_id, slot)
-        self._check_done(room)
+        if got.new:
+            slot.landed = got.complete
+            room.advance(RoomState.TRANSFERRING)
+            self.hub.landed(room, rs, chunk_id, slot, got)
+            self._check_done(room)
 
     def complete(self, peer: Link, key: RoomKey, reader: int, num_chunks: int, aux: bytes) -> None:
         room = self._room(key)
@@ -389,35 +395,8 @@ class RecvSide:
                 raise AlreadyExists(f"room {key}: chunk {cid} was already watermarked")
         for cid in ids:
             rs.slots[cid].consumed = True
-        self._let_go(room, [rs.slots[cid] for cid in ids])
+        let_go(self.ledger, room, [rs.slots[cid] for cid in ids])
         return eng.ring.alloc.watermark()
-
-    def _let_go(self, room: RecvRoom, slots: Iterable[InSlot]) -> None:
-        """Lets go of these slots' ranges here and tells the prefill side it may reuse them."""
-        freed = [(s.credit_id, s.credit_offset) for s in slots if self._free_slot(s)]
-        if freed and room.peer is not None and room.peer.up and not room.ranges_released:
-            room.peer.send_release(ranges=freed)
-
-    def _free_slot(self, slot: InSlot) -> bool:
-        """Lets go of a slot's range here; True if the prefill side should hear of it."""
-        if slot.freed:
-            return False
-        slot.freed = True
-        if slot.credit_id == NO_CREDIT:
-            return False
-        self.ledger.unhold(slot.credit_id, slot.credit_offset)
-        return True
-
-    def _release_all(self, room: RecvRoom) -> None:
-        """Every range of the room goes back: here at once, on the prefill side once its own WRITEs
-        into them are done (it owns them)."""
-        for rs in room.readers.values():
-            for slot in rs.slots.values():
-                self._free_slot(slot)
-        if not room.ranges_released:
-            room.ranges_released = True
-            if room.peer is not None and room.peer.up:
-                room.peer.send_release(rooms=[room.key])
 
     # ------------------------------------------------------------------ failure and release
 
@@ -437,7 +416,7 @@ class RecvSide:
             room.peer.send_abort(room.key, code, reason, quiesced=False)
         elif push and room.peer is None and room.prefill_address:
             self._spawn(abort_unseen(self.connect, room, code, reason), f"room {room.key}: tell the prefill side")
-        self._release_all(room)
+        release_all(self.ledger, room)
         self.hub.recv_state(room)
         self.clock.arm_gc(room, self._gc)
         self.refresh()
@@ -464,7 +443,7 @@ class RecvSide:
         for rs in room.readers.values():
             rs.engine.recv_rooms.discard(room.key.id)
         # A SUCCESS room released before every chunk was watermarked would hold its ranges for ever.
-        self._release_all(room)
+        release_all(self.ledger, room)
         self.clock.cancel(room)
 
     def release(self, eng: Engine, room: RecvRoom) -> None:
@@ -508,7 +487,7 @@ class RecvSide:
                 if room.state is RoomState.SUCCESS:
                     # No timer ends a SUCCESS room: the slots this engine can no longer watermark go
                     # back now, and the room is forgotten once every reader let go.
-                    self._let_go(room, room.readers[eng.rank].slots.values())
+                    let_go(self.ledger, room, room.readers[eng.rank].slots.values())
                     self.release(eng, room)
         if eng.role is Role.DECODE:
             # Rooms of its group that this rank had not expected yet can never get its part now.

@@ -294,7 +294,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def WatchRooms(self, request: engine_pb2.WatchRoomsRequest, context: Any) -> AsyncIterator[engine_pb2.RoomEvent]:
         async with self._stream(context):
             try:
-                q = self._node.watch(request.engine_id, request.chunk_progress)
+                q = self._node.watch(request.engine_id, request.chunk_progress, request.layer_progress)
             except errors.KvxferError as exc:
                 await context.abort(status_of(exc), str(exc))
                 return

@@ -71,7 +71,8 @@ def dispatch(inbox: PeerInbox, h: PeerLink, msg: peer_pb2.PeerMsg) -> None:
         try:
             m = BootstrapMsg(key, b.prefill_group, b.reader_rank, b.decode_tp, layout(b.layout), b.num_tokens,
                              b.deadline_unix_ms, b.reader_ring,
-                             zero_copy_target(b.zero_copy) if b.HasField("zero_copy") else None, bytes(b.notif_token))
+                             zero_copy_target(b.zero_copy) if b.HasField("zero_copy") else None, bytes(b.notif_token),
+                             b.layer_parts)
             ans = inbox.on_bootstrap(h, m)
         except KvxferError as exc:
             ans = BootstrapAnswer(key, b.reader_rank, exc.code, str(exc))

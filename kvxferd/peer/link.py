@@ -369,7 +369,7 @@ class PeerLink:
         b = peer_pb2.Bootstrap(
             room=room_key_pb(m.room), prefill_group=m.group, reader_rank=m.reader, decode_tp=m.decode_tp,
             layout=layout_pb(m.layout), num_tokens=m.num_tokens, deadline_unix_ms=max(0, m.deadline_unix_ms),
-            reader_ring=m.reader_ring, notif_token=m.notif_token,
+            reader_ring=m.reader_ring, notif_token=m.notif_token, layer_parts=m.layer_parts,
         )
         if m.zero_copy is not None:
             b.zero_copy.CopyFrom(zero_copy_target_pb(m.zero_copy))
