@@ -41,8 +41,8 @@ for k in $(seq 1 "$RUNS"); do
     one_run "$n" "r$k" || rc=1
   done
 done
-if [ "${PROFILE:-0}" = 1 ] && [ -x "${PYSPY:-}" ]; then
-  mkdir -p /tmp/pyspy-bin && cp "$PYSPY" /tmp/pyspy-bin/py-spy
+if [ "${PROFILE:-0}" = 1 ] && [ -f "${PYSPY:-}" ]; then
+  mkdir -p /tmp/pyspy-bin && cp "$PYSPY" /tmp/pyspy-bin/py-spy && chmod +x /tmp/pyspy-bin/py-spy
   PATH=/tmp/pyspy-bin:$PATH one_run "${counts[0]}" profiled --profile /tmp/kvx-prof || rc=1
 fi
 DEFAULT_WORKERS=$default python3 - "$OUT" <<'EOF'
@@ -77,6 +77,11 @@ prof = sorted(glob.glob(os.path.join(out, "loopback-w*-profiled.json")))
 top = json.load(open(prof[0])).get("profiles", {}) if prof else {}
 json.dump({"cores": len(os.sched_getaffinity(0)), "pinned": True, "rows": summary, "profile_top": top},
           open(os.path.join(out, "rounds.json"), "w"), indent=1)
+for name, p in sorted(top.items()):
+    if "daemon" in name:
+        print(f"py-spy top of {name}:")
+        for f in p.get("top", [])[:12]:
+            print(f"  self {f['self_pct']:5.1f}%  incl {f['incl_pct']:5.1f}%  {f['frame'][:150]}")
 for x in summary:
     print(f"{x['workers']}{'*' if x['default'] else ''} workers: kvxferd/tuned median {x['ratio_median']:.3f} "
           f"(min {x['ratio_min']:.3f} max {x['ratio_max']:.3f}, {len(x['rounds'])} rounds); kvxferd "

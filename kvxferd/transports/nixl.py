@@ -304,7 +304,9 @@ class NixlTransport:
         so the peer's receive path is the one WRITEs take."""
         self._check_open()
         try:
-            self._core.genNotif(remote, notif)
+            # genNotif waits for the agent lock holding the GIL, like releaseXferReq: never behind a poll.
+            with self._notif_gate:
+                self._core.genNotif(remote, notif)
         except Exception as exc:
             raise TransportError(f"sending a notification to {remote} failed: {type(exc).__name__}: {exc}") from exc
 
