@@ -47,11 +47,11 @@ def layer_part(
 
 def seal_part(
     layout: Layout, room: int, chunk_id: int, token_start: int, num_tokens: int, layer_group: int,
-    aux: bytes = b"", generation: int = 0, last: bool = True,
+    aux: bytes = b"", generation: int = 0,
 ) -> Chunk:
-    """The seal of a layer-wise chunk: no slot, no bytes; carries ``last`` and ``aux``."""
+    """The seal of a room's last chunk sent as layer parts: no slot, no bytes; carries ``last`` and ``aux``."""
     n = layout.num_layers
-    return Chunk(room, chunk_id, token_start, num_tokens, None, last, aux, generation,
+    return Chunk(room, chunk_id, token_start, num_tokens, None, True, aux, generation,
                  layer_group=layer_group, layer_start=n, layer_end=n)
 
 
