@@ -21,6 +21,7 @@ from kvxferd.core.types import ChunkSpec, FailureCode, LandedChunk, RoomKey, Roo
 from kvxferd.datapath.credits import HeldRange
 from kvxferd.datapath.landing import ChunkLanding
 from kvxferd.datapath.notif import new_token
+from kvxferd.datapath.parts import LayerMask
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,14 @@ class OutChunk:
     in_flight: int = 0
     done: bool = False
     slot_freed: bool = False
+    # A layer-wise chunk (sent as layer parts, `spec` its first part): what was enqueued and
+    # written; None for a whole chunk.
+    layers: LayerMask | None = None
+
+    @property
+    def complete(self) -> bool:
+        """Every layer was enqueued and written (a whole chunk: once its jobs are done)."""
+        return self.layers is None or self.layers.complete
 
 
 @dataclass(eq=False, slots=True)
@@ -139,7 +148,8 @@ class SendRoom(RoomBase):
         self.notif_token = b""
         # Ranks whose engine released the room (ReleaseRoom); forgotten once every rank did.
         self.released_by: set[int] = set()
-
+        # A writer sent a chunk as layer parts: whole chunks check their group against them.
+        self.has_parts = False
         # Decode ranks that bootstrapped with Bootstrap.layer_parts (their engine scatters layer parts).
         self.layer_readers: set[int] = set()
 

@@ -5,6 +5,9 @@ room's bootstrap (every reader known), and a destination range per reader carved
 credits the decode daemon granted (`CreditWindow.take`). A reader ring with no free credit
 makes only the chunks bound for it wait; other rooms go on. The worker pool spreads the WRITEs
 over its threads (see kvxferd.datapath.workers).
+A layer-wise chunk waits and goes the same way: its destination ranges are cut at its first part,
+sized for the whole chunk, and each post writes the layers queued since the last one (one WRITE,
+one notification entry per reader and contiguous layer range).
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ from kvxferd.core.peer_port import Link
 from kvxferd.core.rooms import Dest, OutChunk, SendRoom
 from kvxferd.core.types import FailureCode
 from kvxferd.datapath.credits import CreditWindow, HeldRange
-from kvxferd.datapath.notif import encode_notif, join_notifs
+from kvxferd.datapath.notif import MAX_PARTS, encode_notif, join_notifs
+from kvxferd.datapath.parts import ranges_of
 from kvxferd.datapath.workers import TransferJob, WorkerPool, by_ipc, transport_error
-from kvxferd.datapath.write_plan import PagePlan, PlanError, plan_page_writes, plan_slot_writes
+from kvxferd.datapath.write_plan import PagePlan, PlanError, SliceRuns, layer_runs, plan_page_writes, plan_slot_writes
 from kvxferd.ops.metrics import Metrics
 from kvxferd.transports.interface import XferState
 
@@ -49,6 +53,8 @@ class Scheduler:
         metrics.queue_depth.labels(queue="workers").set_function(lambda: workers.in_flight)
         # Label children looked up once: labels() costs several µs and would run per chunk.
         self._write_seconds = {p: metrics.chunk_transfer.labels(path=p) for p in ("local", "nixl")}
+        self._parts_written = metrics.layer_parts.labels(role="prefill", event="written")
+        self._parts_per_write = metrics.parts_per_write
 
     # ------------------------------------------------------------------ admission
 
@@ -82,6 +88,8 @@ class Scheduler:
         try:
             slices = self._slices(room, chunk)
             if not slices:  # a GQA replica or an MLA rank other than 0: nothing to send
+                if chunk.layers is not None:
+                    chunk.layers.written |= chunk.layers.take()[0]
                 self._chunk_done(room, chunk)
             elif room.zero_copy:
                 self._dispatch_pages(room, chunk, slices)
@@ -161,11 +169,22 @@ class Scheduler:
             assert r is not None
             return r
 
+        layers: list[tuple[int, int]] = [(0, 0)]  # a whole chunk
+        bits = nparts = 0
+        runs: SliceRuns | None = None
+        if chunk.layers is not None:
+            bits, nparts = chunk.layers.take()
+            if not bits:  # posted already, with the parts that queued beside it
+                return
+            layers = ranges_of(bits)
+            runs = layer_runs(room.layout, spec.num_tokens, chunk.layers.group, layers, room.prefill_tp,
+                              room.decode_tp or 0)
         try:
             # The parts of this chunk for readers on one daemon (TP 1->4: four) go as one WRITE with
             # one notification naming them all: a job, a post and a completion per chunk, not per part.
             writes = plan_slot_writes(cid, slices, range_of, bytes_per_head(room.layout, spec.num_tokens),
-                                      ring.base_addr + spec.slot.offset, ring.alloc.slot_length(spec.slot.offset) or 0)
+                                      ring.base_addr + spec.slot.offset, ring.alloc.slot_length(spec.slot.offset) or 0,
+                                      runs)
         except PlanError as exc:
             self._fail(room, FailureCode.MISMATCH, str(exc))
             self._chunk_done(room, chunk)
@@ -175,17 +194,23 @@ class Scheduler:
         jobs = []
         for w in writes:
             ranges = [r for _, r in w.parts]
+            entries = [encode_notif(room.key, spec, s.writer, s.reader, r.held.spec.id, r.offset,
+                                    token=room.notif_token, layers=lay if runs is not None else None)
+                       for s, r in w.parts for lay in layers]
+            if len(entries) > MAX_PARTS:
+                self._fail(room, FailureCode.MISMATCH, f"chunk {cid}: {len(entries)} notification entries in one "
+                           f"WRITE, over {MAX_PARTS}: send its layers in fewer ranges")
+                self._chunk_done(room, chunk)
+                return
             jobs.append(by_ipc(TransferJob(
-                remote="" if peer.is_self else peer.agent_name, pairs=w.pairs,
-                notif=join_notifs([encode_notif(room.key, spec, s.writer, s.reader, r.held.spec.id, r.offset,
-                                                token=room.notif_token)
-                                   for s, r in w.parts]),
+                remote="" if peer.is_self else peer.agent_name, pairs=w.pairs, notif=join_notifs(entries),
                 on_done=self._on_done, local_mem=ring.mem, remote_mem=w.mem, local_device=ring.device,
-                remote_device=w.device, tag=(room, chunk, ranges), nbytes=w.nbytes,
+                remote_device=w.device, tag=(room, chunk, ranges, bits, nparts), nbytes=w.nbytes,
                 credits=[r.held for r in ranges], merge_key=room.key,
             ), peer.daemon_id, peer.instance_id))
             for r in ranges:
                 window.write_started(r)
+            nparts = 0  # counted once, with the first WRITE
         self._submit(room, chunk, jobs)
 
     def _dispatch_pages(self, room: SendRoom, chunk: OutChunk, slices: list[HeadSlice]) -> None:
@@ -194,34 +219,44 @@ class Scheduler:
         spec = chunk.spec
         eng = chunk.engine
         src = PagePlan(spec.token_start, spec.num_tokens, spec.pages, eng.ring.base_addr, eng.pool_slots)
+        layers: list[tuple[int, int]] = [(0, 0)]  # a whole chunk
+        bits = nparts = 0
+        if chunk.layers is not None:
+            bits, nparts = chunk.layers.take()
+            if not bits:
+                return
+            layers = ranges_of(bits)
         jobs = []
         for s in slices:
             target = room.zc_targets.get(s.reader)
             try:
                 if target is None:
                     raise PlanError(f"reader {s.reader} has no zero-copy target")
-                pairs = plan_page_writes(spec.chunk_id, room.layout, src, s.num_heads, target)
+                pairs = plan_page_writes(spec.chunk_id, room.layout, src, s.num_heads, target, layers)
             except PlanError as exc:
                 self._fail(room, FailureCode.MISMATCH, str(exc))
                 self._chunk_done(room, chunk)
                 return
+            notif = join_notifs([encode_notif(room.key, spec, s.writer, s.reader, token=room.notif_token,
+                                              layers=lay if bits else None) for lay in layers])
             jobs.append(TransferJob(
-                remote="" if room.peer.is_self else room.peer.agent_name, pairs=pairs,
-                notif=encode_notif(room.key, spec, s.writer, s.reader, token=room.notif_token), on_done=self._on_done,
-                local_mem=eng.ring.mem, remote_mem=target.mem, local_device=eng.ring.device,
-                remote_device=target.device, tag=(room, chunk, []), nbytes=sum(p[2] for p in pairs),
+                remote="" if room.peer.is_self else room.peer.agent_name, pairs=pairs, notif=notif,
+                on_done=self._on_done, local_mem=eng.ring.mem, remote_mem=target.mem, local_device=eng.ring.device,
+                remote_device=target.device, tag=(room, chunk, [], bits, nparts), nbytes=sum(p[2] for p in pairs),
             ))
+            nparts = 0
         self._submit(room, chunk, jobs)
 
     def _submit(self, room: SendRoom, chunk: OutChunk, jobs: list[TransferJob]) -> None:
-        chunk.parts_pending = len(jobs)
-        chunk.in_flight = len(jobs)
+        # += : a layer-wise chunk's earlier posts may still be in flight.
+        chunk.parts_pending += len(jobs)
+        chunk.in_flight += len(jobs)
         room.in_flight += len(jobs)
         for job in jobs:
             self._workers.submit(job)
 
     def _on_done(self, job: TransferJob, state: XferState, error: str) -> None:
-        room, chunk, ranges = job.tag
+        room, chunk, ranges, bits, nparts = job.tag
         chunk.in_flight -= 1
         chunk.parts_pending -= 1
         room.in_flight -= 1
@@ -233,6 +268,11 @@ class Scheduler:
             self._metrics.peer_series.labels(self._metrics.transfer_bytes, peer.daemon_id,
                                              job.link or path).inc(job.nbytes)
             self._write_seconds[path].observe(job.finished_at - job.posted_at)
+            if chunk.layers is not None:
+                chunk.layers.written |= bits
+                if nparts:
+                    self._parts_written.inc(nparts)
+                    self._parts_per_write.observe(nparts)
             if peer.is_self:
                 self._local_notif(job.notif)
         else:

@@ -1,5 +1,6 @@
-"""The send (prefill) side: send rooms, chunks enqueued by prefill engines, bootstraps from decode
-daemons, completion, failures, and tombstones of rooms the decode side gave up on early.
+"""The send (prefill) side: send rooms, chunks enqueued by prefill engines (whole, or as layer parts
+closed by a seal: kvxferd.datapath.parts), bootstraps from decode daemons, completion, failures, and
+tombstones of rooms the decode side gave up on early (kvxferd.datapath.tombstones).
 
 Everything here runs on the event loop and talks to peers only through `ports.Link`.
 """
@@ -11,31 +12,24 @@ import time
 from collections.abc import Callable
 
 from kvxfer_protocol.limits import MAX_AUX_BYTES, MAX_CHUNK_ID
-from kvxfer_protocol.slot_layout import KVLayout, plan, rank_heads
+from kvxfer_protocol.slot_layout import KVLayout, plan
 from kvxferd.config import Config
 from kvxferd.core.caps import MAX_GROUP, ROOMS_PER_ENGINE, ROOMS_PER_PEER, TOMBSTONES
 from kvxferd.core.engines import MAX_TOKENS, Engine, EngineTable
 from kvxferd.core.peer_port import Link
 from kvxferd.core.room_events import EventHub, RoomClock, count_finished, deadline_reason
 from kvxferd.core.rooms import OutChunk, RoomBase, SendRoom, WriterState
-from kvxferd.core.types import ChunkSpec, EngineSpec, FailureCode, Role, RoomKey, RoomState, ZeroCopyTarget
+from kvxferd.core.types import ChunkSpec, FailureCode, Role, RoomKey, RoomState, ZeroCopyTarget
+from kvxferd.datapath.admission import check_group, check_part_joins, check_reader
+from kvxferd.datapath.admission import layouts_compatible as layouts_compatible  # receiver's, from here
 from kvxferd.datapath.notif import TOKEN_BYTES
+from kvxferd.datapath.parts import new_mask
 from kvxferd.datapath.scheduler import Scheduler
+from kvxferd.datapath.tombstones import Tombstones
 from kvxferd.errors import AlreadyExists, FailedPrecondition, InvalidArgument, KvxferError, NotFound, Unavailable
 from kvxferd.ops.metrics import Metrics
 
 logger = logging.getLogger(__name__)
-
-MAX_REASON = 1024
-TOMBSTONE_TTL_S = 60.0
-
-
-def layouts_compatible(a: KVLayout, b: KVLayout) -> str:
-    """Empty string if prefill and decode layouts can exchange KV, else why not."""
-    for name in ("num_layers", "total_kv_heads", "head_dim", "dtype_bytes", "mla"):
-        if getattr(a, name) != getattr(b, name):
-            return f"{name} differs: prefill {getattr(a, name)} vs decode {getattr(b, name)}"
-    return ""
 
 
 class SendSide:
@@ -49,8 +43,7 @@ class SendSide:
         self.refresh = refresh
         self.rooms: dict[int, SendRoom] = {}
         self.scheduler: Scheduler  # set by the node once the workers exist
-        # room id -> (key, code, reason, expiry): rooms the decode side failed before we had them.
-        self._tombstones: dict[int, tuple[RoomKey, FailureCode, str, float]] = {}
+        self._tombstones = Tombstones()
 
     # ------------------------------------------------------------------ rooms
 
@@ -83,9 +76,9 @@ class SendSide:
         if room is None or room.key.generation < key.generation:
             if not self.engines.serving:
                 raise Unavailable("daemon is draining and accepts no new rooms")
-            dead = self._tombstones.get(key.id)
-            if dead is not None and dead[0] == key and dead[3] > time.monotonic():
-                raise FailedPrecondition(f"room {key} is FAILED ({dead[1].name}) on the decode side: {dead[2]}")
+            dead = self._tombstones.get(key)
+            if dead is not None:
+                raise FailedPrecondition(f"room {key} is FAILED ({dead[0].name}) on the decode side: {dead[1]}")
         return self._room_for(key, group)
 
     def owes_chunks(self, eng: Engine) -> bool:
@@ -100,7 +93,9 @@ class SendSide:
 
     # ------------------------------------------------------------------ chunks from engines
 
-    def _check_chunk(self, eng: Engine, chunk: ChunkSpec) -> None:
+    def _check_chunk(self, eng: Engine, chunk: ChunkSpec, with_slot: bool = True) -> None:
+        """`with_slot`: check the slot (or pages) too; False for a seal and a layer part after the
+        first (the chunk's slot is the daemon's already: they must name the same, parts.py)."""
         if not 0 <= chunk.chunk_id < MAX_CHUNK_ID:
             raise InvalidArgument(f"chunk_id must be < {MAX_CHUNK_ID}, got {chunk.chunk_id}")
         if not 1 <= chunk.num_tokens <= MAX_TOKENS or chunk.token_start + chunk.num_tokens > MAX_TOKENS:
@@ -109,6 +104,8 @@ class SendSide:
             raise InvalidArgument(f"aux is {len(chunk.aux)} B; at most {MAX_AUX_BYTES} B")
         if chunk.aux and not chunk.last:
             raise InvalidArgument("aux may only accompany the last chunk")
+        if not with_slot:
+            return
         if eng.spec.zero_copy:
             # A chunk may start mid-page: its pages are those its tokens touch, from the one holding
             # token_start (which the previous chunk may have sent part of).
@@ -132,10 +129,27 @@ class SendSide:
         if need > held:
             raise InvalidArgument(f"{chunk.num_tokens} tokens need {need} B but the slot holds {held} B")
 
+    def _prior(self, eng: Engine, chunk: ChunkSpec) -> OutChunk | None:
+        """What this engine enqueued before of a part's chunk (its first part), if anything."""
+        room = self.rooms.get(chunk.room.id)
+        if room is None or room.key != chunk.room or room.group != eng.spec.group:
+            return None
+        w = room.writers.get(eng.rank)
+        return w.chunks.get(chunk.chunk_id) if w is not None and w.engine is eng else None
+
     def enqueue(self, engine_id: str, chunk: ChunkSpec) -> None:
         eng = self.engines.get(engine_id, Role.PREFILL)
         key = chunk.room
-        self._check_chunk(eng, chunk)
+        prior = self._prior(eng, chunk) if chunk.is_part else None
+        try:
+            self._check_chunk(eng, chunk, with_slot=prior is None and not chunk.is_seal)
+            self._enqueue(eng, key, chunk, prior)
+        except KvxferError:
+            if chunk.is_part:
+                self.metrics.layer_parts.labels(role="prefill", event="refused").inc()
+            raise
+
+    def _enqueue(self, eng: Engine, key: RoomKey, chunk: ChunkSpec, prior: OutChunk | None) -> None:
         if key.id not in eng.send_rooms:
             self.engines.limits.check(ROOMS_PER_ENGINE, len(eng.send_rooms), f" for engine {eng.id}")
         room = self.rooms.get(key.id)
@@ -156,8 +170,12 @@ class SendSide:
             raise FailedPrecondition(f"room {key}: rank {rank} is already sending from another engine")
         if w is None:
             w = WriterState(eng)
-        if chunk.chunk_id in w.chunks:
+        if chunk.is_part:
+            check_part_joins(room, rank, chunk, prior)
+        elif chunk.chunk_id in w.chunks:
             raise AlreadyExists(f"room {key}: chunk {chunk.chunk_id} was already enqueued by rank {rank}")
+        elif room.has_parts:
+            check_group(room, chunk)
         if w.last_id is not None and chunk.chunk_id > w.last_id:
             raise InvalidArgument(f"room {key}: chunk {chunk.chunk_id} comes after the last chunk {w.last_id}")
         if chunk.last and w.chunks and max(w.chunks) > chunk.chunk_id:
@@ -165,11 +183,21 @@ class SendSide:
         # Accepted: from here on the daemon owns the slot.
         room.writers[rank] = w
         eng.send_rooms.add(key.id)
+        if chunk.is_part:
+            self.metrics.layer_parts.labels(role="prefill", event="sealed" if chunk.is_seal else "enqueued").inc()
+            if prior is not None:
+                self._next_part(room, w, chunk, prior)
+                return
         if chunk.claim:
             self.engines.take_claim(eng, chunk.slot, chunk.claim)
         else:
             eng.acquired.discard(chunk.slot.offset)
         out = OutChunk(rank, eng, chunk, slot_freed=eng.spec.zero_copy)
+        if chunk.is_part:
+            assert room.layout is not None
+            out.layers = new_mask(chunk, room.layout.num_layers)
+            out.layers.add(chunk.layer_start, chunk.layer_end)
+            room.has_parts = True
         w.chunks[chunk.chunk_id] = out
         if chunk.last:
             w.last_id = chunk.chunk_id
@@ -179,6 +207,17 @@ class SendSide:
         if room.bootstrapped and room.state < RoomState.TRANSFERRING and room.advance(RoomState.TRANSFERRING):
             self.hub.send_state(room)
         self.scheduler.submit(room, out)
+        self.refresh()
+
+    def _next_part(self, room: SendRoom, w: WriterState, chunk: ChunkSpec, out: OutChunk) -> None:
+        """A seal, or a part of a chunk whose first part brought its slot."""
+        assert out.layers is not None
+        if chunk.is_seal:
+            out.layers.sealed = True
+            w.last_id, w.aux = chunk.chunk_id, chunk.aux
+            self._maybe_complete(room)  # every layer may have been written before the seal
+        elif out.layers.add(chunk.layer_start, chunk.layer_end):
+            self.scheduler.submit(room, out)
         self.refresh()
 
     # ------------------------------------------------------------------ bootstrap from a decode daemon
@@ -220,7 +259,7 @@ class SendSide:
         # this one would join fails with it, and a room we do not have yet is tombstoned (as if the
         # decode side had aborted it), so neither waits for its deadline.
         try:
-            self._check_reader(None if fresh else room, engines[0].spec, key, reader, decode_tp, layout, num_tokens,
+            check_reader(None if fresh else room, engines[0].spec, key, reader, decode_tp, layout, num_tokens,
                                zero_copy)
         except KvxferError as exc:
             why = f"bootstrap of decode reader {reader} refused: {exc}"
@@ -273,61 +312,27 @@ class SendSide:
         if room.peer is not None and room.peer is not peer:
             raise InvalidArgument(f"room {key} is bootstrapped by another decode daemon")
 
-    @staticmethod
-    def _check_reader(room: SendRoom | None, spec: EngineSpec, key: RoomKey, reader: int, decode_tp: int,
-                      layout: KVLayout, num_tokens: int, zero_copy: ZeroCopyTarget | None) -> None:
-        """Can this reader join the room (`room`, or a new one of the group whose engine spec is
-        `spec`)? Raises InvalidArgument or FailedPrecondition; changes nothing."""
-        ours = room.layout if room is not None else spec.layout
-        assert ours is not None
-        why = layouts_compatible(ours, layout)
-        if why:
-            raise FailedPrecondition(f"room {key}: layout mismatch: {why}")
-        try:
-            rank_heads(layout.total_kv_heads, decode_tp, reader, layout.mla)
-        except ValueError as exc:
-            raise InvalidArgument(str(exc)) from exc
-        if spec.zero_copy != (zero_copy is not None):
-            why = "prefill group is zero-copy but the reader is not" if spec.zero_copy else (
-                "reader is zero-copy but the prefill group sends slots")
-            raise FailedPrecondition(f"room {key}: zero-copy mismatch: {why}")
-        prefill_tp = room.prefill_tp if room is not None else spec.parallel.tp_size
-        if zero_copy is not None:
-            if prefill_tp != decode_tp and not layout.mla:
-                raise FailedPrecondition(
-                    f"room {key}: zero-copy needs the same TP on both sides (or MLA); "
-                    f"prefill {prefill_tp}, decode {decode_tp}"
-                )
-            if layout.page_size != ours.page_size:
-                raise FailedPrecondition(f"room {key}: zero-copy needs equal page sizes")
-            if len(zero_copy.pages) != -(-num_tokens // layout.page_size) or zero_copy.num_slots <= 0:
-                raise InvalidArgument(f"room {key}: zero-copy target pages do not cover {num_tokens} tokens")
-        if room is None:
-            return
-        if room.decode_tp is not None and room.decode_tp != decode_tp:
-            raise InvalidArgument(f"room {key}: decode_tp {decode_tp} differs from {room.decode_tp}")
-        if room.num_tokens is not None and room.num_tokens != num_tokens:
-            raise InvalidArgument(f"room {key}: num_tokens {num_tokens} differs from {room.num_tokens}")
-        if any(c.spec.token_start + c.spec.num_tokens > num_tokens for w in room.writers.values()
-               for c in w.chunks.values()):
-            raise FailedPrecondition(f"room {key}: enqueued chunks exceed {num_tokens} tokens")
-
     # ------------------------------------------------------------------ progress and completion
 
     def chunk_done(self, room: SendRoom, chunk: OutChunk) -> None:
         """All parts of a chunk are written (or the room failed): give back the source slot."""
         if room.owe_quiesced and room.in_flight == 0:
             self._quiesced(room)
-        if not chunk.slot_freed and chunk.in_flight == 0:
+        complete = chunk.complete  # a layer-wise chunk keeps its slot until every layer is written
+        if not chunk.slot_freed and chunk.in_flight == 0 and (complete or room.finished):
             chunk.slot_freed = True
             self.engines.free_slot(chunk.engine, chunk.spec.slot.offset)
-        if room.finished or chunk.done or chunk.parts_pending:
+        if room.finished or chunk.done or chunk.parts_pending or not complete:
             self.refresh()
             return
         chunk.done = True
         w = room.writers[chunk.writer]
         w.done.add(chunk.spec.chunk_id)
         self.hub.chunk_written(room, chunk.writer)
+        self._maybe_complete(room)
+
+    def _maybe_complete(self, room: SendRoom) -> None:
+        """Every writer sent and wrote its last chunk (a layer-wise one: sealed): Complete goes."""
         if room.all_writers_finished() and not room.complete_sent:
             last_ids = {w.last_id for w in room.writers.values()}
             if len(last_ids) != 1:
@@ -441,17 +446,8 @@ class SendSide:
         return False
 
     def _remember(self, key: RoomKey, code: FailureCode, reason: str) -> None:
-        """A tombstone: a failed room we do not hold. Bounded by max_tombstones, oldest evicted
-        first (refusing to remember makes no sense, and an evicted tombstone costs at most a room
-        that waits for its deadline)."""
-        now = time.monotonic()
-        cap = self.engines.limits.limit(TOMBSTONES)
-        if len(self._tombstones) >= cap:
-            expired = [r for r, t in self._tombstones.items() if t[3] < now]
-            for rid in expired or list(self._tombstones)[: max(1, cap // 64)]:
-                del self._tombstones[rid]
-        self._tombstones.pop(key.id, None)  # re-inserted last: the dict's order is the age order
-        self._tombstones[key.id] = (key, code, reason[:MAX_REASON], now + TOMBSTONE_TTL_S)
+        """A tombstone: a failed room we do not hold (kvxferd.datapath.tombstones)."""
+        self._tombstones.remember(key, code, reason, self.engines.limits.limit(TOMBSTONES))
 
     def peer_lost(self, peer: Link, reason: str) -> None:
         for room in list(self.rooms.values()):
@@ -496,7 +492,4 @@ class SendSide:
 
     def tombstoned(self, key: RoomKey) -> tuple[FailureCode, str] | None:
         """The decode side's failure of a room we never had, while remembered."""
-        dead = self._tombstones.get(key.id)
-        if dead is None or dead[0] != key or dead[3] <= time.monotonic():
-            return None
-        return dead[1], dead[2]
+        return self._tombstones.get(key)

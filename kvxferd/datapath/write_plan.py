@@ -7,6 +7,9 @@ the writer's slot into the destination ranges carved from the reader windows, on
 of destination memory; for a zero-copy chunk, its token slots from the writer's pool pages into
 the reader's, one descriptor per run of slots that is consecutive on both sides (the transport
 merges a staged WRITE's neighbouring descriptors itself: kvxferd.transports.interface.coalesce).
+A layer part (docs/design/layerwise.md §1) writes some layers of a group-major slot: a head slice
+becomes one run per group (kvxfer_protocol.slot_layout.part_runs), or per layer range of the pool's
+layer-major planes when zero-copy.
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from kvxfer_protocol.slot_layout import HeadSlice, KVLayout
+from kvxfer_protocol.slot_layout import HeadSlice, KVLayout, layer_bytes, part_runs, rank_heads
 
 Pair = tuple[int, int, int]  # (source address, destination address, bytes)
+# A head slice's byte runs, relative to the writer's part and the reader's part (a layer part's).
+SliceRuns = Callable[[HeadSlice], Sequence[Pair]]
 
 
 class PlanError(ValueError):
@@ -67,26 +72,48 @@ class SlotWrite(Generic[R]):
 
 
 def plan_slot_writes(chunk_id: int, slices: Sequence[HeadSlice], dest: Callable[[int], R], head_bytes: int,
-                     src_base: int, src_len: int) -> list[SlotWrite[R]]:
+                     src_base: int, src_len: int, runs: SliceRuns | None = None) -> list[SlotWrite[R]]:
     """The WRITEs of one staged chunk: each slice's heads from the writer's slot (`src_len` bytes at
-    `src_base`, one head every `head_bytes`) into its reader's range (`dest(reader)`).
+    `src_base`, one head every `head_bytes`) into its reader's range (`dest(reader)`). `runs`: a
+    layer part's runs of each slice (layer_runs); None: the whole chunk, one run a slice.
 
     Raises PlanError if a slice falls outside its slot or its range: the decode side sized nothing
     here (the ranges were cut for exactly these tokens), so that is a layout disagreement."""
-    groups: dict[tuple[str, int], list[tuple[HeadSlice, R]]] = {}
+    groups: dict[tuple[str, int], list[tuple[HeadSlice, R, Sequence[Pair]]]] = {}
     for s in slices:
         r = dest(s.reader)
-        length = s.num_heads * head_bytes
-        if s.dst_head * head_bytes + length > r.length or s.src_head * head_bytes + length > src_len:
+        if runs is None:
+            cut: Sequence[Pair] = ((s.src_head * head_bytes, s.dst_head * head_bytes, s.num_heads * head_bytes),)
+            fits = cut[0][1] + cut[0][2] <= r.length and cut[0][0] + cut[0][2] <= src_len
+        else:
+            cut = runs(s)
+            fits = all(d + n <= r.length and o + n <= src_len for o, d, n in cut)
+        if not fits:
             raise PlanError(f"chunk {chunk_id} does not fit its slots")
         spec = r.held.spec
-        groups.setdefault((spec.mem, spec.device), []).append((s, r))
+        groups.setdefault((spec.mem, spec.device), []).append((s, r, cut))
     writes = []
     for (mem, device), parts in groups.items():
-        pairs = [(src_base + s.src_head * head_bytes, r.address + s.dst_head * head_bytes, s.num_heads * head_bytes)
-                 for s, r in parts]
-        writes.append(SlotWrite(mem, device, tuple(parts), tuple(pairs), sum(p[2] for p in pairs)))
+        pairs = [(src_base + o, r.address + d, n) for _, r, cut in parts for o, d, n in cut]
+        writes.append(SlotWrite(mem, device, tuple((s, r) for s, r, _ in parts), tuple(pairs),
+                                sum(p[2] for p in pairs)))
     return writes
+
+
+def layer_runs(layout: KVLayout, num_tokens: int, layer_group: int, layers: Sequence[tuple[int, int]],
+               prefill_tp: int, decode_tp: int) -> SliceRuns:
+    """Each slice's runs for layers `layers` (ranges on the group grid) of a chunk whose slots are
+    laid out with `layer_group` layers a group: the (cached) plan of each range, shifted to its
+    group's offsets on both sides."""
+    per_layer = layer_bytes(layout, num_tokens)
+    total, mla, num_layers = layout.total_kv_heads, layout.mla, layout.num_layers
+
+    def runs(s: HeadSlice) -> list[Pair]:
+        src_heads = rank_heads(total, prefill_tp, s.writer, mla).count
+        dst_heads = rank_heads(total, decode_tp, s.reader, mla).count
+        return [run for lo, hi in layers for run in part_runs(num_layers, layer_group, lo, hi, per_layer, src_heads,
+                                                                 dst_heads, s.src_head, s.dst_head, s.num_heads)]
+    return runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,10 +140,13 @@ class PageTarget(Protocol):
     def pages(self) -> Sequence[int]: ...
 
 
-def plan_page_writes(chunk_id: int, layout: KVLayout, src: PagePlan, num_heads: int, target: PageTarget) -> list[Pair]:
+def plan_page_writes(chunk_id: int, layout: KVLayout, src: PagePlan, num_heads: int, target: PageTarget,
+                     layers: Sequence[tuple[int, int]] = ((0, 0),)) -> list[Pair]:
     """The descriptors of one zero-copy part: pool pages to pool pages, one per (layer, K/V,
     contiguous run of token slots). A chunk may start and end mid-page: only its own tokens' slots
     are written, so a page two chunks share is filled by both, each at its token offsets.
+    `layers`: a layer part's ranges, whose planes alone are written (the pools are layer-major);
+    (0, 0) is every layer.
 
     Same TP (or MLA): writer and reader hold the same `num_heads`, so a token slot has one size."""
     ps = layout.page_size
@@ -127,7 +157,8 @@ def plan_page_writes(chunk_id: int, layout: KVLayout, src: PagePlan, num_heads: 
     slot_bytes = num_heads * layout.head_dim * layout.dtype_bytes
     runs = slot_runs(src.pages, dst_pages, src.token_start % ps, src.num_tokens, ps)
     pairs = []
-    for plane in range(layout.num_layers * layout.planes):
+    planes = [p for lo, hi in layers for p in range(lo * layout.planes, (hi or layout.num_layers) * layout.planes)]
+    for plane in planes:
         src_plane = src.pool_address + plane * src.pool_slots * slot_bytes
         dst_plane = target.address + plane * target.num_slots * slot_bytes
         for ss, ds, n in runs:
