@@ -19,7 +19,7 @@ from kvxferd.core.node import Node
 from kvxferd.core.peer_port import BootstrapAnswer, BootstrapMsg
 from kvxferd.core.rooms import RecvRoom
 from kvxferd.core.types import EngineSpec, FailureCode, LandedChunk, Parallelism, Role, RoomKey, RoomState
-from kvxferd.datapath.landing import ChunkLanding, Landed, LayerMismatch, group_size, layer_span, runs, span_mask
+from kvxferd.datapath.landing import ChunkLanding, LayerMismatch, group_size, layer_span, runs, span_mask
 from kvxferd.datapath.notif import Notif
 from kvxferd.errors import InvalidArgument
 from tests import test_data_path_refusals as refusals
@@ -31,20 +31,20 @@ node = refusals.node  # the in-process node fixture (a daemon without NIXL, peer
 
 def test_a_whole_chunk_is_every_layer_and_lands_when_its_last_writer_does() -> None:
     c = ChunkLanding(3, L, frozenset({0, 1}))
-    assert c.land(1, 0, 0, 0) == Landed(0, False)  # writer 0's heads of every layer are still out
-    assert c.land(0, 0, 0, 0) == Landed(span_mask(0, L), True)
+    assert c.land(1, 0, 0, 0) == (0, False)  # writer 0's heads of every layer are still out
+    assert c.land(0, 0, 0, 0) == (span_mask(0, L), True)
     assert c.complete and c.layer_group == L
 
 
 def test_parts_land_per_group_and_the_reader_holds_a_layer_once_every_writer_brought_it() -> None:
     c = ChunkLanding(0, L, frozenset({0, 1}))
-    assert c.land(0, 4, 4, 8) == Landed(0, False)
-    assert c.land(1, 4, 0, 4) == Landed(0, False)
-    assert c.land(1, 4, 4, 8) == Landed(span_mask(4, 8), False)
-    assert c.land(0, 4, 8, 10) == Landed(0, False)  # the last group is short (10 = 4 + 4 + 2)
-    assert c.land(0, 4, 0, 4) == Landed(span_mask(0, 4), False)
+    assert c.land(0, 4, 4, 8) == (0, False)
+    assert c.land(1, 4, 0, 4) == (0, False)
+    assert c.land(1, 4, 4, 8) == (span_mask(4, 8), False)
+    assert c.land(0, 4, 8, 10) == (0, False)  # the last group is short (10 = 4 + 4 + 2)
+    assert c.land(0, 4, 0, 4) == (span_mask(0, 4), False)
     assert not c.complete
-    assert c.land(1, 4, 8, 10) == Landed(span_mask(8, 10), True)
+    assert c.land(1, 4, 8, 10) == (span_mask(8, 10), True)
     assert c.complete
 
 
@@ -62,9 +62,9 @@ def test_parts_in_any_order_complete_the_chunk_exactly_when_the_last_layer_lands
         c = ChunkLanding(1, L, writers)
         held = 0
         for i, (w, a, b) in enumerate(entries):
-            got = c.land(w, g, a, b)
-            assert got.new & held == 0 and got.complete == (i == len(entries) - 1)
-            held |= got.new
+            new, complete = c.land(w, g, a, b)
+            assert new & held == 0 and complete == (i == len(entries) - 1)
+            held |= new
         assert held == span_mask(0, L) and c.complete
 
 
@@ -84,7 +84,7 @@ def test_a_writers_layers_landing_twice_is_a_mismatch_that_changes_nothing(
     assert str(err.value) == why
     assert (c.masks, c.held) == before
     # The other writer's layers are its own: the same range from it counts.
-    assert c.land(2, g, *again).new == span_mask(*layer_span(g, *again, L)) & c.masks[1]
+    assert c.land(2, g, *again)[0] == span_mask(*layer_span(g, *again, L)) & c.masks[1]
 
 
 @pytest.mark.parametrize(("g", "start", "end", "why"), [
@@ -109,7 +109,7 @@ def test_writers_of_one_chunk_must_cut_it_in_the_same_groups() -> None:
         c.land(1, 2, 0, 2)
     with pytest.raises(LayerMismatch, match="disagree"):
         c.land(1, 0, 0, 0)  # a whole chunk is one group of L
-    assert c.land(1, 4, 0, 8).new == span_mask(0, 4)
+    assert c.land(1, 4, 0, 8)[0] == span_mask(0, 4)
 
 
 def test_group_size_and_span_helpers() -> None:
@@ -145,6 +145,10 @@ async def bootstrapped(n: Node, eng: Engine, peer: Link, rid: int, prefill_tp: i
     room = n.recv.rooms[rid]
     assert room.plan is not None and room.state is RoomState.WAITING_FOR_INPUT
     return room
+
+
+def landed_parts(n: Node) -> float | None:
+    return n.metrics.registry.get_sample_value("kvxferd_layer_parts_total", {"role": "decode", "event": "landed"})
 
 
 def drain(q: asyncio.Queue[Any]) -> list[tuple[int, int, int, bool, int]]:
@@ -199,6 +203,7 @@ async def test_layer_parts_of_two_writers_land_per_range_and_the_chunk_once_both
     assert room.state is RoomState.SUCCESS
     assert drain(layered) == [(1, 0, 8, True, 2), (-1, 0, 0, False, int(RoomState.SUCCESS))]
     assert drain(plain) == [(1, 0, 0, True, 2), (-1, 0, 0, False, int(RoomState.SUCCESS))]
+    assert landed_parts(node) == 8
 
 
 async def test_a_whole_chunk_lands_as_before_for_every_watcher(node: Node) -> None:
@@ -211,6 +216,7 @@ async def test_a_whole_chunk_lands_as_before_for_every_watcher(node: Node) -> No
     assert drain(layered) == [(0, 0, 8, True, 0)]
     ev = plain.get_nowait()
     assert ev.landed == LandedChunk(0, ev.landed.slot, 0, 16, True, part_bytes(LAYERS, 1, 0, 16))
+    assert landed_parts(node) == 0  # a whole chunk is no layer part
 
 
 @pytest.mark.parametrize(("entries", "why"), [
@@ -232,6 +238,8 @@ async def test_layers_landing_twice_or_off_the_grid_fail_the_room_on_both_sides(
         node.recv.landed(Notif(RoomKey(7), 0, writer, 0, 0, 16, True, gid, 0, room.notif_token, group, start, end))
     assert room.state is RoomState.FAILED and room.failure_code is FailureCode.MISMATCH
     assert room.failure_reason == why
+    twice = node.metrics.registry.get_sample_value("kvxferd_layer_parts_total", {"role": "decode", "event": "duplicate"})
+    assert twice == (1 if "twice" in why else 0)
     (abort,) = peer.of("abort")
     assert abort[0][0] == RoomKey(7) and abort[0][2] == why
     # No layer event of a failed room follows its end; the range went back to the prefill side.

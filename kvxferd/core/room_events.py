@@ -18,7 +18,7 @@ from kvxferd.core.caps import WATCH_BACKLOG, WATCHERS_PER_ENGINE
 from kvxferd.core.engines import Engine, EngineTable
 from kvxferd.core.rooms import InSlot, ReaderState, RecvRoom, RoomBase, SendRoom, WriterState, landed_view
 from kvxferd.core.types import RoomEvent, RoomState
-from kvxferd.datapath.landing import Landed, runs
+from kvxferd.datapath.landing import runs
 from kvxferd.errors import CapExceeded, KvxferError
 from kvxferd.ops.metrics import Metrics
 
@@ -143,20 +143,20 @@ class EventHub:
         for rs in room.readers.values():
             self.publish(rs.engine, ev)
 
-    def landed(self, room: RecvRoom, rs: ReaderState, cid: int, slot: InSlot, got: Landed) -> None:
-        """Layers of a chunk that the reader now holds (`got.new`, never 0). A chunk's completion
+    def landed(self, room: RecvRoom, rs: ReaderState, cid: int, slot: InSlot, new: int, complete: bool) -> None:
+        """Layers of a chunk that the reader now holds (`new`, never 0). A chunk's completion
         goes out at once (with its layers not sent yet, to layer_progress watchers), as whole
         chunks always did: SUCCESS may follow in the same call and must come after it."""
         eng = rs.engine
         key = (room.key.id, eng.rank, cid)
-        if not got.complete:
+        if not complete:
             if eng.layer_watchers:
                 held = self._layers.pop(key, (room, rs, slot, 0))[3]
-                self._layers[key] = (room, rs, slot, held | got.new)
+                self._layers[key] = (room, rs, slot, held | new)
                 if self._flush_soon is None:
                     self._flush_soon = asyncio.get_running_loop().call_soon(self.flush_layers)
             return
-        held = self._layers.pop(key, (room, rs, slot, 0))[3] | got.new
+        held = self._layers.pop(key, (room, rs, slot, 0))[3] | new
         self.flush_layers()
         if eng.layer_watchers:
             self._publish_layers(room, rs, cid, slot, held)

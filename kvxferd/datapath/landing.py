@@ -18,7 +18,12 @@ from dataclasses import dataclass, field
 
 
 class LayerMismatch(Exception):
-    """An entry that contradicts what landed before: its text says why (the room fails MISMATCH)."""
+    """An entry that contradicts what landed before: its text says why (the room fails MISMATCH).
+    `twice`: layers landed twice (counted apart: a bug on the prefill side, not a bad range)."""
+
+    def __init__(self, why: str, twice: bool = False) -> None:
+        super().__init__(why)
+        self.twice = twice
 
 
 def group_size(layer_group: int, num_layers: int) -> int:
@@ -63,17 +68,6 @@ def _bounds(mask: int) -> tuple[int, int]:
     return (mask & -mask).bit_length() - 1, mask.bit_length()
 
 
-@dataclass(frozen=True, slots=True)
-class Landed:
-    """What one entry changed for its reader."""
-
-    # Layers every expected writer now holds that some did not before (bit i = layer i): the
-    # reader may load them. 0 when other writers' heads of those layers are still on the way.
-    new: int
-    # This entry completed the chunk: every expected writer covered [0, L).
-    complete: bool
-
-
 @dataclass(eq=False, slots=True)
 class ChunkLanding:
     """The layers of one (reader, chunk) landed so far, per expected writer."""
@@ -89,25 +83,33 @@ class ChunkLanding:
 
     @property
     def complete(self) -> bool:
-        return self.held == span_mask(0, self.num_layers)
+        return self.held == (1 << self.num_layers) - 1
 
-    def land(self, writer: int, layer_group: int, layer_start: int, layer_end: int) -> Landed:
-        """Takes one entry of `writer` (one the reader expects: the receiver drops others before);
-        raises LayerMismatch, changing nothing, for a range that cannot be or landed before."""
-        start, end = layer_span(layer_group, layer_start, layer_end, self.num_layers)
-        g = group_size(layer_group, self.num_layers)
-        c, w = self.chunk_id, writer
+    def land(self, writer: int, layer_group: int, layer_start: int, layer_end: int) -> tuple[int, bool]:
+        """Takes one entry of `writer` (one the reader expects: the receiver drops others before)
+        and returns (new, complete): the layers every expected writer now holds that some did not
+        before (bit i = layer i; 0 while other writers' heads of them are on the way), and whether
+        this entry completed the chunk. Raises LayerMismatch, changing nothing, for a range that
+        cannot be or landed before. Per notification entry on the event loop: a plain tuple, and
+        whole chunks take the short way."""
+        n = self.num_layers
+        full = (1 << n) - 1
+        if layer_start == layer_end == 0:
+            g, mask = n, full
+        else:
+            start, end = layer_span(layer_group, layer_start, layer_end, n)
+            g, mask = group_size(layer_group, n), span_mask(start, end)
         if self.layer_group and g != self.layer_group:
-            raise LayerMismatch(f"writers of chunk {c} disagree on its layer group ({g} vs {self.layer_group} layers)")
-        mask = span_mask(start, end)
+            raise LayerMismatch(
+                f"writers of chunk {self.chunk_id} disagree on its layer group ({g} vs {self.layer_group} layers)")
         had = self.masks.get(writer, 0)
         if twice := had & mask:
             a, b = _bounds(twice)
-            raise LayerMismatch(f"layers [{a}, {b}) of chunk {c} from writer {w} landed twice")
+            raise LayerMismatch(f"layers [{a}, {b}) of chunk {self.chunk_id} from writer {writer} landed twice", True)
         self.layer_group = g
-        self.masks[writer] = had | mask
-        held = span_mask(0, self.num_layers)
-        for e in self.expected:
-            held &= self.masks.get(e, 0)
-        new, self.held = held & ~self.held, held
-        return Landed(new, bool(new) and self.complete)
+        self.masks[writer] = had = had | mask
+        if len(self.expected) > 1:
+            for e in self.expected:
+                had &= self.masks.get(e, 0)
+        new, self.held = had & ~self.held, had
+        return new, had == full and new != 0

@@ -55,6 +55,8 @@ class RecvSide:
         self.rooms: dict[int, RecvRoom] = {}
         self.fence = PageFence(hub, ledger.quarantine_s, metrics)
         self.drops = NotifDrops(metrics)
+        self._parts_landed = metrics.layer_parts.labels(role="decode", event="landed")
+        self._parts_twice = metrics.layer_parts.labels(role="decode", event="duplicate")
         # Rooms not finished yet: read by the notification poller thread to choose its pace.
         self.unfinished = 0
         self.connect: Callable[[str], Awaitable[Link]]  # set by the node: a peer with a live session
@@ -324,14 +326,18 @@ class RecvSide:
             self.fail(room, FailureCode.MISMATCH, f"writers of chunk {chunk_id} disagree on its tokens or slot")
             return
         try:  # every layer of every writer once; whole chunks are layers [0, L)
-            got = slot.layers.land(writer, n.layer_group, n.layer_start, n.layer_end)
+            new, complete = slot.layers.land(writer, n.layer_group, n.layer_start, n.layer_end)
         except LayerMismatch as exc:
+            if exc.twice:
+                self._parts_twice.inc()
             self.fail(room, FailureCode.MISMATCH, str(exc))
             return
-        if got.new:
-            slot.landed = got.complete
+        if n.layer_group:
+            self._parts_landed.inc()
+        if new:
+            slot.landed = complete
             room.advance(RoomState.TRANSFERRING)
-            self.hub.landed(room, rs, chunk_id, slot, got)
+            self.hub.landed(room, rs, chunk_id, slot, new, complete)
             self._check_done(room)
 
     def complete(self, peer: Link, key: RoomKey, reader: int, num_chunks: int, aux: bytes) -> None:
