@@ -251,13 +251,13 @@ async def test_every_refused_part_changes_nothing(prefill: tuple[Node, _Workers,
         after = (room.state, n.slots_held(), dict(room.writers[0].chunks), room.writers[0].chunks[0].layers.enqueued)  # type: ignore[union-attr]
         assert after == before and not workers.jobs, chunk
     assert _counted(n, "refused") == len(refusals)
+    # A whole chunk of an id sent as parts is refused too.
+    with pytest.raises(AlreadyExists):
+        n.enqueue_chunk(eng.id, ChunkSpec(RoomKey(4), 0, 0, TOKENS, other, False, b""))
+    n.enqueue_chunk(eng.id, _part(4, slot, 2, 2, 4))
     n.enqueue_chunk(eng.id, _seal(4))
     with pytest.raises(AlreadyExists, match="already sealed"):
         n.enqueue_chunk(eng.id, _seal(4))
-    # A whole chunk of an id sent as parts, and parts of an id sent whole: both refused.
-    with pytest.raises(AlreadyExists):
-        n.enqueue_chunk(eng.id, ChunkSpec(RoomKey(4), 0, 0, TOKENS, other, False, b""))
-    n.enqueue_chunk(eng.id, _part(4, slot, 2, 2, 4))  # the rest of the sealed chunk still goes
     workers.finish()
     assert peer.of("complete") == [(RoomKey(4), 0, 1, b"tok")] and n.slots_held() == 0
     assert other.offset in eng.acquired  # the refused whole chunk left its slot with the engine
@@ -333,3 +333,20 @@ async def test_a_zero_copy_part_writes_only_its_layers_planes(prefill: tuple[Nod
     assert _entries(job) == [(1, 1, 3)]
     with pytest.raises(InvalidArgument, match="slot"):  # other pages than its first part's
         n.enqueue_chunk(eng.id, ChunkSpec(RoomKey(9), 0, 0, TOKENS, SlotRef(0, 0), False, b"", pages[1:], 0, 1, 0, 1))
+
+
+async def test_a_seal_with_layers_never_enqueued_fails_the_room_at_once(prefill: tuple[Node, _Workers, _Link]) -> None:
+    n, workers, peer = prefill
+    eng = _engine(n)
+    assert _boot(n, peer, 10) == 0
+    slot, _ = n.acquire_slot(eng.id, TOKENS)
+    n.enqueue_chunk(eng.id, _part(10, slot, 1, 0, 1))
+    n.enqueue_chunk(eng.id, _part(10, slot, 1, 3, 4))
+    workers.finish()
+    n.enqueue_chunk(eng.id, _seal(10, group=1))
+    room = n.send.rooms[10]
+    # As a token gap at completion: MISMATCH on both sides at once, not a room held to its deadline.
+    assert room.state is RoomState.FAILED and room.failure_code is FailureCode.MISMATCH
+    assert "layers [(1, 3)] of chunk 0 were never enqueued" in room.failure_reason
+    assert [a[1] for a in peer.of("abort")] == [FailureCode.MISMATCH] and not peer.of("complete")
+    assert n.slots_held() == 0

@@ -115,3 +115,14 @@ def check_layer_part(chunk: ChunkSpec, num_layers: int, mask: LayerMask | None, 
 def chunk_group(mask: LayerMask | None, num_layers: int) -> int:
     """Layers per group of a writer's chunk (a whole chunk is one group)."""
     return num_layers if mask is None else mask.group
+
+
+def missing_layers(chunks: dict[int, LayerMask | None], num_layers: int) -> str:
+    """Why a sealed writer's layer-wise chunks (id -> mask; None: a whole chunk) cannot all land:
+    layers none of their parts named, or "". The seal comes after the last layer (its aux exists
+    only then), so a layer missing now would otherwise hold the room until its deadline."""
+    full = (1 << num_layers) - 1
+    for cid, mask in sorted(chunks.items()):
+        if mask is not None and mask.enqueued != full:
+            return f"layers {ranges_of(full & ~mask.enqueued)} of chunk {cid} were never enqueued"
+    return ""

@@ -23,7 +23,7 @@ from kvxferd.core.types import ChunkSpec, FailureCode, Role, RoomKey, RoomState,
 from kvxferd.datapath.admission import check_group, check_part_joins, check_reader
 from kvxferd.datapath.admission import layouts_compatible as layouts_compatible  # receiver's, from here
 from kvxferd.datapath.notif import TOKEN_BYTES
-from kvxferd.datapath.parts import new_mask
+from kvxferd.datapath.parts import missing_layers, new_mask
 from kvxferd.datapath.scheduler import Scheduler
 from kvxferd.datapath.tombstones import Tombstones
 from kvxferd.errors import AlreadyExists, FailedPrecondition, InvalidArgument, KvxferError, NotFound, Unavailable
@@ -215,7 +215,12 @@ class SendSide:
         if chunk.is_seal:
             out.layers.sealed = True
             w.last_id, w.aux = chunk.chunk_id, chunk.aux
-            self._maybe_complete(room)  # every layer may have been written before the seal
+            assert room.layout is not None
+            why = missing_layers({c: o.layers for c, o in w.chunks.items()}, room.layout.num_layers)
+            if why:  # as a token gap at completion: the room fails on both sides, MISMATCH
+                self.fail(room, FailureCode.MISMATCH, f"prefill rank {out.writer} sealed, but {why}")
+            else:
+                self._maybe_complete(room)  # every layer may have been written before the seal
         elif out.layers.add(chunk.layer_start, chunk.layer_end):
             self.scheduler.submit(room, out)
         self.refresh()
