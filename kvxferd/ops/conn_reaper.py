@@ -22,9 +22,13 @@ holding the most go the same way, sources reserved for peers (call_caps: configu
 peer handshook from) excepted: strangers from many sources cannot take the half of the slots kept
 for peers. Cuts are counted in kvxferd_peer_connections_cut_total{reason} and logged as summaries.
 
-Cost: nothing per call or chunk; per sweep a readlink per fd of the daemon (~0.3 ms for 150 fds)
-and a dup and two syscalls for each socket it has not seen before. (/proc/net/tcp would give the
-same, but reading it walks the namespace's whole socket hash: ~6 ms a read even on a quiet host.)
+Cost: nothing per call or chunk. A sweep lists /proc/self/fd; only when the daemon's fd count grew,
+the last sweep left connections to look at again, or 10 s passed does it fstat every fd and read
+each new socket's addresses once (a dup and two syscalls). Measured on a shared 2-core box at load
+15-17: an idle daemon (49 fds) used 0.15 s of CPU per 30 s against 0.14 s for one without the
+reaper, side by side (the clock counts 0.01 s); a full sweep over 1,000 fds took 28 ms of wall time.
+(Reading /proc/net/tcp would give the connections too, but walks the namespace's whole socket hash:
+~6 ms a read on this host with 60 sockets.)
 Why not an accept layer of our own in front of gRPC: every peer message would pay a hop, and gRPC
 would see every caller as the layer (call_caps needs the real address).
 """
@@ -37,7 +41,9 @@ import ipaddress
 import logging
 import os
 import socket
+import stat
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +58,8 @@ SOURCE, TOTAL = "source", "total"
 REASONS = (SOURCE, TOTAL)
 REAP_S = 1.0  # how often the peer port's connections are counted: the reaction time to a flood
 GRACE_S = CONTROL_S  # a connection's time to carry an authenticated call before it may be counted
+FULL_EVERY = 10  # sweeps skipped in a row at most while nothing grew (see ConnReaper.sweep)
+FD_DIR = "/proc/self/fd"
 
 ConnKey = tuple[str, int]  # the caller's (IP, port); an IPv4-mapped address as its IPv4 one
 
@@ -114,30 +122,31 @@ def _peer_of(fd: int, inode: int, port: int) -> ConnKey | None:
 
 class Sockets:
     """The connections accepted on one local port, found among this process's fds. Only the
-    sockets not seen before are looked at (a dup and two syscalls each); a sweep costs a
-    readlink per fd."""
+    sockets not seen before are looked at (a dup and two syscalls each); a sweep costs an fstat per
+    fd."""
 
     def __init__(self, port: int) -> None:
         self._port = port
         self._known: dict[int, ConnKey | None] = {}  # socket inode -> caller, None: not one of the port's
 
-    def connections(self) -> list[tuple[ConnKey, int, int]]:
-        """(caller, socket inode, our fd) of each open connection to the port."""
+    def connections(self, names: list[str] | None = None) -> list[tuple[ConnKey, int, int]]:
+        """(caller, socket inode, our fd) of each open connection to the port (`names`: a listing
+        of FD_DIR just taken)."""
         out: list[tuple[ConnKey, int, int]] = []
         known: dict[int, ConnKey | None] = {}
-        with os.scandir("/proc/self/fd") as it:
-            for entry in it:
-                try:
-                    link = os.readlink(entry.path)
-                except OSError:  # closed meanwhile
-                    continue
-                if not link.startswith("socket:["):
-                    continue
-                inode, fd = int(link[8:-1]), int(entry.name)
-                key = self._known[inode] if inode in self._known else _peer_of(fd, inode, self._port)
-                known[inode] = key
-                if key is not None:
-                    out.append((key, inode, fd))
+        for name in os.listdir(FD_DIR) if names is None else names:
+            fd = int(name)
+            try:
+                st = os.fstat(fd)  # (a readlink of /proc/self/fd/N costs several times more)
+            except OSError:  # closed meanwhile
+                continue
+            if not stat.S_ISSOCK(st.st_mode):
+                continue
+            inode = st.st_ino
+            key = self._known[inode] if inode in self._known else _peer_of(fd, inode, self._port)
+            known[inode] = key
+            if key is not None:
+                out.append((key, inode, fd))
         self._known = known
         return out
 
@@ -204,6 +213,9 @@ class ConnReaper:
         self._grace = grace_s
         self._seen: dict[int, float] = {}  # inode -> when first seen
         self._log = RefusalLog("peer port connections")
+        self._fds = 0  # this process's fds at the last sweep
+        self._recheck = False  # the last full sweep left connections to look at again
+        self._skipped = 0
 
     async def run(self, every_s: float = REAP_S) -> None:
         try:
@@ -217,15 +229,27 @@ class ConnReaper:
             self._log.close()
 
     def sweep(self) -> list[tuple[Conn, str]]:
-        """Counts the peer port's connections and cuts those over the caps; returns what it cut."""
+        """Counts the peer port's connections and cuts those over the caps; returns what it cut.
+        Skipped while the daemon's fd count has not grown since the last sweep and the last full
+        one left nothing to look at again (a stranger's connection is a new fd of ours), at most
+        FULL_EVERY times in a row (an fd of someone else's closed and one of theirs opened)."""
+        names = os.listdir(FD_DIR)
+        grew, self._fds = len(names) > self._fds, len(names)
+        if not grew and not self._recheck and self._skipped < FULL_EVERY:
+            self._skipped += 1
+            return []
+        self._skipped = 0
         now = time.monotonic()
-        conns = self._sockets.connections()
+        conns = self._sockets.connections(names)
         self._seen = {inode: self._seen.get(inode, now) for _, inode, _ in conns}
         self._forget({key for key, _, _ in conns})
         counted = [Conn(key, source_of(key[0]), inode, fd, self._seen[inode]) for key, inode, fd in conns
                    if now - self._seen[inode] >= self._grace and not self._authed(key)]
         victims = pick(counted, self._per_source, self._total, self._busy, self._reserved)
         done = [(c, why) for c, why in victims if shut(c.fd, c.inode)]
+        held = Counter(c.source for c in counted)
+        self._recheck = bool(victims) or len(counted) > self._total or any(n > self._per_source for n in held.values()) \
+            or any(not self._authed(key) for key, inode, _ in conns if now - self._seen[inode] < self._grace)
         for c, why in done:
             self._counted[why].inc()
             self._log(f"{c.source} over max_peer_connections_per_source = {self._per_source}" if why == SOURCE
