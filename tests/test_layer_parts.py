@@ -309,9 +309,9 @@ def test_refusals_and_failures(pair: tuple[DaemonProc, DaemonProc]) -> None:
         tx_old.release_slot(slot)  # refused: the slot is still the engine's
         tx_old.abort(2, "test done")
 
-        # A layer never sent and the seal: the room fails, never SUCCESS (design: MISMATCH at the
-        # seal; the daemon now fails it at its deadline, which the test makes short).
-        rx.expect(3, pre.peer_address, "bad-p", 16, deadline_ms=2000)
+        # A layer never sent and the seal: the room fails MISMATCH on both sides at once (the
+        # deadline, far off, is not what ends it).
+        rx.expect(3, pre.peer_address, "bad-p", 16, deadline_ms=120_000)
         slot = tx.acquire(16)
         tx.slot_view(slot)[:] = group_major(kv)
         assert tx.enqueue_layers([layer_part(3, 0, 0, 16, slot, G, 0, 3), layer_part(3, 0, 0, 16, slot, G, 6, 7)]) \
@@ -319,8 +319,9 @@ def test_refusals_and_failures(pair: tuple[DaemonProc, DaemonProc]) -> None:
         tx.seal(3, 0, 0, 16, G)
         with pytest.raises(KvxferError) as failed:
             rx.wait(3, timeout=Budget("room 3 fails", 20).limit())
-        assert isinstance(failed.value, RoomFailed), failed.value
+        assert isinstance(failed.value, RoomFailed) and failed.value.failure_code == "MISMATCH", failed.value
         assert rx.poll(3).landed == ()  # the chunk missing a layer never landed
+        assert tx.poll(3).failure_code == "MISMATCH"
     finally:
         for e in (tx, rx, tx_old, rx_old, *extra):
             e.close()
