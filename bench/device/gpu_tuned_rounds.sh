@@ -80,7 +80,7 @@ json.dump({"cores": len(os.sched_getaffinity(0)), "pinned": True, "rows": summar
 for name, p in sorted(top.items()):
     if "daemon" in name:
         print(f"py-spy top of {name}:")
-        for f in p.get("top", [])[:12]:
+        for f in p.get("top", [])[:int(os.environ.get("PROFILE_TOP", "12"))]:
             print(f"  self {f['self_pct']:5.1f}%  incl {f['incl_pct']:5.1f}%  {f['frame'][:150]}")
 for x in summary:
     print(f"{x['workers']}{'*' if x['default'] else ''} workers: kvxferd/tuned median {x['ratio_median']:.3f} "
