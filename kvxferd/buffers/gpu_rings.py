@@ -359,9 +359,17 @@ def device_copy_batch(jobs: Sequence[Sequence[tuple[int, int, int]]], src_mem: s
         evs = _events(libs, device, len(jobs) + 1)
         t0 = time.perf_counter_ns()
         libs.check(fast.cudaEventRecord(evs[0], stream), "cudaEventRecord")
+        # A host side is this process's pageable memory (engines pin their own mappings only): CUDA
+        # then copies inside the call, which must not hold the GIL meanwhile.
+        slow = src_mem != "VRAM" or dst_mem != "VRAM"
         for i, pairs in enumerate(jobs):
             for src, dst, nbytes in pairs:
-                libs.check(fast.cudaMemcpyAsync(dst, src, nbytes, _CUDA_MEMCPY_DEFAULT, stream), "cudaMemcpyAsync")
+                if slow:
+                    rc = libs.cudart.cudaMemcpyAsync(ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(nbytes),
+                                                     _CUDA_MEMCPY_DEFAULT, stream)
+                else:
+                    rc = fast.cudaMemcpyAsync(dst, src, nbytes, _CUDA_MEMCPY_DEFAULT, stream)
+                libs.check(rc, "cudaMemcpyAsync")
             libs.check(fast.cudaEventRecord(evs[i + 1], stream), "cudaEventRecord")
         launch_ns = time.perf_counter_ns() - t0
         ms = ctypes.c_float()
