@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvxfer_protocol.slot_layout import HeadSlice, bytes_per_head, part_bytes
 from kvxferd.core.peer_port import Link
@@ -29,6 +29,8 @@ from kvxferd.ops.metrics import Metrics
 from kvxferd.transports.interface import XferState
 
 logger = logging.getLogger(__name__)
+
+_WHOLE = ((0, 0),)  # the layers of a whole chunk (write_plan's convention)
 
 
 class Scheduler:
@@ -169,7 +171,7 @@ class Scheduler:
             assert r is not None
             return r
 
-        layers: list[tuple[int, int]] = [(0, 0)]  # a whole chunk
+        layers: Sequence[tuple[int, int]] = _WHOLE
         bits = nparts = 0
         runs: SliceRuns | None = None
         if chunk.layers is not None:
@@ -194,14 +196,17 @@ class Scheduler:
         jobs = []
         for w in writes:
             ranges = [r for _, r in w.parts]
-            entries = [encode_notif(room.key, spec, s.writer, s.reader, r.held.spec.id, r.offset,
-                                    token=room.notif_token, layers=lay if runs is not None else None)
-                       for s, r in w.parts for lay in layers]
-            if len(entries) > MAX_PARTS:
-                self._fail(room, FailureCode.MISMATCH, f"chunk {cid}: {len(entries)} notification entries in one "
-                           f"WRITE, over {MAX_PARTS}: send its layers in fewer ranges")
-                self._chunk_done(room, chunk)
-                return
+            if runs is None:  # a whole chunk: one entry per reader
+                entries = [encode_notif(room.key, spec, s.writer, s.reader, r.held.spec.id, r.offset,
+                                        token=room.notif_token) for s, r in w.parts]
+            else:
+                entries = [encode_notif(room.key, spec, s.writer, s.reader, r.held.spec.id, r.offset,
+                                        token=room.notif_token, layers=lay) for s, r in w.parts for lay in layers]
+                if len(entries) > MAX_PARTS:
+                    self._fail(room, FailureCode.MISMATCH, f"chunk {cid}: {len(entries)} notification entries in "
+                               f"one WRITE, over {MAX_PARTS}: send its layers in fewer ranges")
+                    self._chunk_done(room, chunk)
+                    return
             jobs.append(by_ipc(TransferJob(
                 remote="" if peer.is_self else peer.agent_name, pairs=w.pairs, notif=join_notifs(entries),
                 on_done=self._on_done, local_mem=ring.mem, remote_mem=w.mem, local_device=ring.device,
@@ -219,7 +224,7 @@ class Scheduler:
         spec = chunk.spec
         eng = chunk.engine
         src = PagePlan(spec.token_start, spec.num_tokens, spec.pages, eng.ring.base_addr, eng.pool_slots)
-        layers: list[tuple[int, int]] = [(0, 0)]  # a whole chunk
+        layers: Sequence[tuple[int, int]] = _WHOLE
         bits = nparts = 0
         if chunk.layers is not None:
             bits, nparts = chunk.layers.take()
