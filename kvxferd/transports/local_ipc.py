@@ -29,7 +29,12 @@ the thread already copying for that pair: copies of several threads on one GPU o
 bandwidth), queues their copies back to back on its stream with an event after each, and notifies
 each job as soon as its event fires, while the next job still copies (copy_batch). `stats` splits
 where a job's time goes (GPU copy, launch, waiting, notification) and is logged with each
-mapping closed (tests/gpu/test_gpu_local_ipc.py reads it).
+mapping closed (tests/gpu/test_gpu_local_ipc.py reads it). Measured (bench/results/local-ipc-ab-gpu-2026-11-28.json):
+64 MiB jobs across two GPUs at 0.57-0.68 of cudaMemcpyPeer (0.31 before), but 0.12-0.13 of a device
+copy on one GPU, where engines share the GPU: processes' CUDA contexts time-slice a GPU, so the
+daemon's copy waits for its slice while an engine's kernels run (bench/device/ctx_share_probe.py:
+~2.4 ms for a 50 us copy next to a busy process on that GPU). MPS, or a copy issued by an engine
+process itself, avoids that wait; nothing in this process can.
 """
 
 from __future__ import annotations
