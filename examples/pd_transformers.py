@@ -81,6 +81,10 @@ ROOM_STRIDE = 1000
 class Room:
     index: int
     prompt: tuple[int, ...]
+    # --layerwise-compare: "whole", "layerwise" or "compute" (prefill alone); "": the run's mode.
+    mode: str = ""
+    # A warm-up room (kernels compiled, caches allocated): run and checked, left out of the timing summary.
+    warmup: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -116,6 +120,18 @@ class Spec:
     decode_socket: str = ""
     prefill_address: str = ""
     staging: str = "vram"  # GPU engines: "vram" (CUDA IPC ring), "host" (pinned host ring), "auto" (the daemon's)
+    layerwise: bool = False  # chunks go as layer parts from forward hooks (examples/pd_layerwise.py)
+    layer_group: int = 0  # layers a part; 0: ceil(layers / 16)
+    sequential: bool = False  # one room at a time, the next once the decode holds it (timed runs)
+    intermediate: int = 0  # MLP width; 0: 2 x hidden
+    timing: bool = False  # per room t_start / t_compute / t_held in the report
+
+    def mode(self, room: Room) -> str:
+        return room.mode or ("layerwise" if self.layerwise else "whole")
+
+    @property
+    def takes_parts(self) -> bool:
+        return self.layerwise or any(r.mode == "layerwise" for r in self.rooms)
 
     def room_id(self, dtype: str, room: Room) -> int:
         return self.room_base + self.dtypes.index(dtype) * ROOM_STRIDE + room.index
@@ -168,12 +184,18 @@ def build_model(spec: Spec, dtype: str) -> Any:
     config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[spec.arch]
     longest = max(r.num_tokens for r in spec.rooms) + spec.new_tokens
     config = config_cls(
-        vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=2 * spec.hidden,
+        vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.intermediate or 2 * spec.hidden,
         num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
         head_dim=spec.head_dim, max_position_embeddings=max(256, 2 * longest), tie_word_embeddings=False,
     )
-    # Initialised in fp32 from the seed, then cast: every dtype sees the same weights, rounded.
     torch.manual_seed(spec.seed)
+    if spec.device.startswith("cuda"):
+        # Initialised on the GPU in the run's dtype: an 8B-shape model would take minutes and 32 GB
+        # of host memory a process in fp32 on the CPU. Same seed, same device, same kernels: every
+        # process still gets the same weights.
+        with torch.device(spec.device):
+            return AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype]).eval()
+    # Initialised in fp32 from the seed, then cast: every dtype sees the same weights, rounded.
     model = AutoModelForCausalLM.from_config(config)
     return model.to(device=spec.device, dtype=DTYPES[dtype]).eval()
 
@@ -267,6 +289,17 @@ class PagedPool:
             self.k[layer][slots] = kv[:, layer, 0].transpose(0, 1)
             self.v[layer][slots] = kv[:, layer, 1].transpose(0, 1)
 
+    def store_layer(self, pages: torch.Tensor, start: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """One layer's K and V (each ``[local_heads, T, head_dim]``) of tokens [start, start+T): what
+        a layer's attention writes, called from the layer-wise forward hooks."""
+        tok = torch.arange(start, start + k.shape[1])
+        slots = (pages[tok // self.page_size] * self.page_size + tok % self.page_size).to(k.device)
+        self.k[layer][slots] = k.transpose(0, 1)
+        self.v[layer][slots] = v.transpose(0, 1)
+
+    def free_pages(self, pages: torch.Tensor) -> None:
+        self.free += pages.tolist()
+
     def chunk_pages(self, pages: torch.Tensor, start: int, num_tokens: int) -> tuple[torch.Tensor, int]:
         """The pages holding tokens [start, start + num_tokens) and where ``start`` sits in the first.
 
@@ -307,29 +340,52 @@ def device_sync(device: str) -> None:
 
 
 def pages_for(spec: Spec) -> int:
-    """Enough pages for every room at once, plus spare ones so the random placement has room."""
-    return sum(-(-r.num_tokens // spec.page_size) for r in spec.rooms) * 3 // 2 + 2
+    """Enough pages for every room at once (one at a time with --sequential, whose rooms give their
+    pages back), plus spare ones so the random placement has room."""
+    need = [-(-r.num_tokens // spec.page_size) for r in spec.rooms]
+    return (2 * max(need) if spec.sequential else sum(need)) * 3 // 2 + 2
 
 
 def ring_bytes_for(spec: Spec, dtype: str, local_heads: int) -> int:
     """A ring that holds every chunk of every room (so a slow reader slows, never stalls, a run)."""
     per_token = local_heads * spec.layers * 2 * spec.head_dim * DTYPES[dtype].itemsize
     total = sum(len(spec.chunks(r)) * spec.chunk_tokens * per_token for r in spec.rooms)
-    return int(min(64 << 20, max(1 << 20, 2 * total)))
+    # At least the largest chunk and slack (one-chunk prompts of an 8B shape are 1 GiB slots).
+    biggest = max(e - s for r in spec.rooms for s, e in spec.chunks(r)) * per_token
+    return int(max(min(64 << 20, max(1 << 20, 2 * total)), biggest * 5 // 4 + (1 << 20) if biggest > 48 << 20 else 0))
 
 
 # ---------------------------------------------------------------------------------------------
 # prefill rank
 
 
-def prefill_rank(spec: Spec, rank: int, results: Any) -> None:
+def prefill_rank(spec: Spec, rank: int, results: Any, go: Any = None) -> None:
     try:
-        results.put(("done", "prefill", rank, _prefill_rank(spec, rank), None))
+        results.put(("done", "prefill", rank, _prefill_rank(spec, rank, go), None))
     except BaseException:
         results.put(("done", "prefill", rank, {}, traceback.format_exc()))
 
 
-def _prefill_rank(spec: Spec, rank: int) -> dict[str, Any]:
+def _lw() -> Any:
+    """examples/pd_layerwise.py, whether this runs as a module of ``examples`` or as a script."""
+    try:
+        from examples import pd_layerwise
+    except ImportError:
+        import pd_layerwise  # type: ignore[no-redef]  # run as a script: examples/ is sys.path[0]
+    return pd_layerwise
+
+
+def prefill_order(spec: Spec) -> list[tuple[Room, int]]:
+    """(room, chunk index) in compute order. Chunk c of every room before chunk c+1 of any: the
+    rooms' chunks interleave in both daemons as they would under a batching scheduler. With
+    --sequential one room after another (each waits for the decode to hold the one before)."""
+    if spec.sequential:
+        return [(room, c) for room in spec.rooms for c in range(len(spec.chunks(room)))]
+    steps = max(len(spec.chunks(r)) for r in spec.rooms)
+    return [(room, c) for c in range(steps) for room in spec.rooms if c < len(spec.chunks(room))]
+
+
+def _prefill_rank(spec: Spec, rank: int, go: Any) -> dict[str, Any]:
     from kvxfer_client import PrefillSender
     from kvxfer_protocol.slot_layout import rank_heads
 
@@ -337,8 +393,9 @@ def _prefill_rank(spec: Spec, rank: int) -> dict[str, Any]:
     heads = rank_heads(spec.kv_heads, spec.prefill_tp, rank)
     hs = slice(heads.start, heads.start + heads.count)
     gathered = 0
+    timing: dict[str, dict[str, float]] = {}
     with contextlib.ExitStack() as stack:
-        engines: dict[str, tuple[Any, Any, PagedPool]] = {}
+        engines: dict[str, tuple[Any, Any, PagedPool, Any]] = {}
         for i, dt in enumerate(spec.dtypes):
             ring_bytes = ring_bytes_for(spec, dt, heads.count)
             tx = stack.enter_context(PrefillSender(
@@ -348,49 +405,79 @@ def _prefill_rank(spec: Spec, rank: int) -> dict[str, Any]:
             ))
             pool = PagedPool(spec, dt, heads.count, pages_for(spec), seed=spec.seed * 7919 + 100 * i + rank,
                              garbage=False)
-            engines[dt] = (build_model(spec, dt), tx, pool)
-        caches = {(dt, r.index): new_cache(engines[dt][0]) for dt in spec.dtypes for r in spec.rooms}
-        pages = {(dt, r.index): engines[dt][2].alloc(r.num_tokens) for dt in spec.dtypes for r in spec.rooms}
-        # Chunk c of every room before chunk c+1 of any, alternating dtypes: the rooms' chunks
-        # interleave in both daemons as they would under a batching scheduler.
-        steps = max(len(spec.chunks(r)) for r in spec.rooms)
+            model = build_model(spec, dt)
+            stream = None
+            if spec.takes_parts:
+                stream = _lw().LayerStream(model.model.layers, cache_kv, pool, tx, hs, spec.layer_group, spec.device,
+                                           spec.backend, spec.timeout)
+                stack.callback(stream.close)
+            engines[dt] = (model, tx, pool, stream)
+        caches: dict[tuple[str, int], Any] = {}
+        pages: dict[tuple[str, int], torch.Tensor] = {}
         with torch.inference_mode():
-            for c in range(steps):
-                for room in spec.rooms:
-                    chunks = spec.chunks(room)
-                    if c >= len(chunks):
-                        continue
-                    start, end = chunks[c]
-                    for dt in spec.dtypes:
-                        model, tx, pool = engines[dt]
-                        cache = caches[(dt, room.index)]
-                        nxt = prefill_chunk(model, cache, room.prompt, start, end)
+            for room, c in prefill_order(spec):
+                mode = spec.mode(room)
+                start, end = spec.chunks(room)[c]
+                last = end == room.num_tokens
+                for dt in spec.dtypes:
+                    model, tx, pool, stream = engines[dt]
+                    key = (dt, room.index)
+                    if c == 0:
+                        caches[key] = new_cache(model)
+                        if mode != "compute":
+                            pages[key] = pool.alloc(room.num_tokens)
+                        device_sync(spec.device)
+                        timing[f"{dt}:{room.index}"] = {"t_start": time.monotonic()}
+                    cache = caches[key]
+                    if mode == "layerwise":
+                        gathered += stream.begin(cache, spec.room_id(dt, room), c, start, end, pages[key], slot_tensor)
+                    nxt = prefill_chunk(model, cache, room.prompt, start, end)  # its argmax syncs a GPU
+                    if last:
+                        timing[f"{dt}:{room.index}"]["t_compute"] = time.monotonic()
+                    aux = nxt.to_bytes(4, "little") if last else b""
+                    if mode == "layerwise":
+                        stream.end(last, aux)
+                    elif mode == "whole":
                         # The stock model attends from its DynamicCache; the pool is the engine's
                         # copy of this rank's heads, the one the transfer reads, as in a real engine.
-                        pool.store(pages[(dt, room.index)], start, stacked_kv(cache, spec.layers, start, end)[hs])
+                        pool.store(pages[key], start, stacked_kv(cache, spec.layers, start, end)[hs])
                         n = end - start
                         slot = tx.acquire(n, timeout=spec.timeout)
                         dst = slot_tensor(tx, slot.offset, slot.chunk_bytes)
-                        chunk_pages, offset = pool.chunk_pages(pages[(dt, room.index)], start, n)
+                        chunk_pages, offset = pool.chunk_pages(pages[key], start, n)
                         pool.kv.gather(chunk_pages, n, spec.page_size, dst, token_offset=offset,
                                        backend=spec.backend)
                         device_sync(spec.device)
                         del dst  # no view of the ring may outlive the client's mapping
-                        last = end == room.num_tokens
-                        aux = nxt.to_bytes(4, "little") if last else b""
                         tx.enqueue(spec.room_id(dt, room), c, start, n, slot, last=last, aux=aux)
                         gathered += slot.chunk_bytes
-                    if end == room.num_tokens:
-                        for dt in spec.dtypes:
-                            del caches[(dt, room.index)]  # this room's prefill is over
+                    if last:
+                        del caches[key]  # this room's prefill is over
+                if last and spec.sequential and mode != "compute":
+                    # The next room starts once the decode holds this one and the driver checked
+                    # it: no transfer or check overlaps the next room's compute.
+                    got = go.get(timeout=spec.timeout)
+                    if got != room.index:
+                        raise RuntimeError(f"prefill rank {rank}: room {room.index} done, the driver said {got}")
+                    for dt in spec.dtypes:
+                        engines[dt][2].free_pages(pages.pop((dt, room.index)))
+        refusals: list[str] = []
         states: dict[str, str] = {}
         for dt in spec.dtypes:
-            tx = engines[dt][1]
+            _, tx, _, stream = engines[dt]
+            if stream is not None:
+                refusals += stream.drain()
             for room in spec.rooms:
+                if spec.mode(room) == "compute":
+                    continue
                 rid = spec.room_id(dt, room)
                 states[str(rid)] = tx.wait(rid, timeout=spec.timeout, poll_s=0.01).state.name
                 tx.release(rid)
-    return {"bytes_gathered": gathered, "states": states}
+        if refusals:
+            raise RuntimeError(f"prefill rank {rank}: parts refused: {refusals[:4]}")
+    streams = [e[3] for e in engines.values() if e[3] is not None]
+    return {"bytes_gathered": gathered, "states": states, "timing": timing,
+            "layer_groups_sent": sum(st.groups_sent for st in streams), "layer_parts_sent": sum(st.parts_sent for st in streams)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -401,9 +488,9 @@ def _prefill_rank(spec: Spec, rank: int) -> dict[str, Any]:
 class _Recv:
     dtype: str
     room: Room
-    pages: torch.Tensor
+    held: Any  # pd_layerwise.Held: the layer groups of each chunk scattered so far
+    pages: torch.Tensor | None = None  # taken at the room's first landed bytes
     done: set[int] = field(default_factory=set)
-    tokens: int = 0
 
 
 def decode_rank(spec: Spec, rank: int, results: Any) -> None:
@@ -413,12 +500,13 @@ def decode_rank(spec: Spec, rank: int, results: Any) -> None:
         results.put(("done", "decode", rank, {}, traceback.format_exc()))
 
 
-def _watch(rx: Any, wake: queue.Queue[int]) -> None:
-    # Events only say which room to poll; PollRoom stays the source of truth, so an event lost
+def _watch(rx: Any, wake: queue.Queue[tuple[int, Any]], layer_progress: bool) -> None:
+    # Events say which room to poll and, with layer_progress, which layers of a chunk landed (to
+    # scatter at once). PollRoom stays the source of truth for complete chunks, so an event lost
     # while the stream was being set up costs a fallback poll, never a room.
     with contextlib.suppress(Exception):
-        for ev in rx.watch():
-            wake.put(ev.room)
+        for ev in rx.watch(layer_progress=layer_progress):
+            wake.put((ev.room, ev.landed))
 
 
 def _decode_rank(spec: Spec, rank: int, results: Any) -> dict[str, Any]:
@@ -426,10 +514,13 @@ def _decode_rank(spec: Spec, rank: int, results: Any) -> dict[str, Any]:
     from kvxfer_protocol.slot_layout import rank_heads
 
     setup_torch(spec)
+    lw = _lw()
     heads = rank_heads(spec.kv_heads, spec.decode_tp, rank)
     swap = spec.fault == "swap-heads" and rank == swap_rank(spec)
     received = 0
-    wake: queue.Queue[int] = queue.Queue()
+    scattered = 0
+    early = 0  # layer groups scattered from a layer event, before their chunk was complete
+    wake: queue.Queue[tuple[int, Any]] = queue.Queue()
     with contextlib.ExitStack() as stack:
         engines: dict[str, tuple[Any, PagedPool]] = {}
         for i, dt in enumerate(spec.dtypes):
@@ -437,32 +528,71 @@ def _decode_rank(spec: Spec, rank: int, results: Any) -> dict[str, Any]:
             rx = stack.enter_context(DecodeReceiver(
                 socket=spec.decode_socket, group=spec.group(dt, "decode"), layout=kv_layout(spec, dt),
                 tp_size=spec.decode_tp, tp_rank=rank, ring_bytes=ring_bytes,
-                name=f"{spec.group(dt, 'decode')}-r{rank}", **ring_kwargs(spec, ring_bytes),
+                name=f"{spec.group(dt, 'decode')}-r{rank}", layer_parts=spec.takes_parts,
+                **ring_kwargs(spec, ring_bytes),
             ))
             pool = PagedPool(spec, dt, heads.count, pages_for(spec), seed=spec.seed * 7919 + 100 * i + 50 + rank,
                              garbage=True)
             engines[dt] = (rx, pool)
-            threading.Thread(target=_watch, args=(rx, wake), daemon=True).start()
+            threading.Thread(target=_watch, args=(rx, wake, spec.takes_parts), daemon=True).start()
+
+        def copy(rec: _Recv, c: Any, lo: int, hi: int) -> None:
+            """Scatters layers [lo, hi) (one group) of landed chunk ``c`` into the pool."""
+            rx, pool = engines[rec.dtype]
+            if rec.pages is None:
+                rec.pages = pool.alloc(rec.room.num_tokens)
+            src = slot_tensor(rx, c.offset, c.chunk_bytes)
+            view = pool.kv.group_view(src, lo, hi, c.num_tokens)
+            sub = pool.kv.layers(lo, hi)
+            chunk_pages, offset = pool.chunk_pages(rec.pages, c.token_start, c.num_tokens)
+            if swap:
+                # Test-only fault: local head h lands where head count-1-h belongs.
+                per_head = view.numel() // heads.count
+                for h in range(heads.count):
+                    sub.scatter(chunk_pages, c.num_tokens, spec.page_size, view[h * per_head : (h + 1) * per_head],
+                                head_start=heads.count - 1 - h, num_heads=1, token_offset=offset,
+                                backend=spec.backend)
+            else:
+                sub.scatter(chunk_pages, c.num_tokens, spec.page_size, view, token_offset=offset,
+                            backend=spec.backend)
+            device_sync(spec.device)
+            del src, view
+
         active: dict[int, _Recv] = {}
         for dt in spec.dtypes:
             rx, pool = engines[dt]
             for room in spec.rooms:
+                if spec.mode(room) == "compute":
+                    continue
                 rid = spec.room_id(dt, room)
-                active[rid] = _Recv(dt, room, pool.alloc(room.num_tokens))
+                active[rid] = _Recv(dt, room, lw.Held(spec.layers, room.num_tokens))
                 rx.expect(rid, spec.prefill_address, spec.group(dt, "prefill"), room.num_tokens,
                           deadline_ms=int(spec.timeout * 1000))
         deadline = time.monotonic() + spec.timeout
         while active:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"decode rank {rank}: rooms unfinished after {spec.timeout} s: {sorted(active)}")
-            dirty: set[int] = set()
+            events: list[tuple[int, Any]] = []
             try:
-                dirty.add(wake.get(timeout=0.05))
+                events.append(wake.get(timeout=0.05))
                 while True:
-                    dirty.add(wake.get_nowait())
+                    events.append(wake.get_nowait())
             except queue.Empty:
                 pass
-            if not dirty:
+            dirty: set[int] = set()
+            for rid, landed in events:
+                rec = active.get(rid)
+                if rec is None:
+                    continue
+                if landed is not None and landed.layer_end and landed.chunk_id not in rec.done:
+                    # A layer range landed: scatter it now, while later layers are still on the way.
+                    before = rec.held.scattered
+                    received += rec.held.scatter(landed, landed.layer_start, landed.layer_end,
+                                                 lambda c, lo, hi, rec=rec: copy(rec, c, lo, hi))
+                    early += 0 if landed.chunk_complete else rec.held.scattered - before
+                if landed is None or landed.chunk_complete:
+                    dirty.add(rid)
+            if not events:
                 dirty = set(active)  # quiet for a while: poll everything once
             for rid in sorted(dirty & set(active)):
                 rec = active[rid]
@@ -471,36 +601,26 @@ def _decode_rank(spec: Spec, rank: int, results: Any) -> dict[str, Any]:
                 for c in st.landed:
                     if c.chunk_id in rec.done:
                         continue
-                    src = slot_tensor(rx, c.offset, c.chunk_bytes)
-                    chunk_pages, offset = pool.chunk_pages(rec.pages, c.token_start, c.num_tokens)
-                    if swap:
-                        # Test-only fault: local head h lands where head count-1-h belongs.
-                        per_head = c.chunk_bytes // heads.count
-                        for h in range(heads.count):
-                            pool.kv.scatter(chunk_pages, c.num_tokens, spec.page_size,
-                                            src[h * per_head : (h + 1) * per_head],
-                                            head_start=heads.count - 1 - h, num_heads=1, token_offset=offset,
-                                            backend=spec.backend)
-                    else:
-                        pool.kv.scatter(chunk_pages, c.num_tokens, spec.page_size, src, token_offset=offset,
-                                        backend=spec.backend)
-                    device_sync(spec.device)
-                    del src
+                    # What no layer event brought (or all of it, for a whole chunk).
+                    received += rec.held.scatter(c, 0, spec.layers, lambda c, lo, hi, rec=rec: copy(rec, c, lo, hi))
                     rx.watermark(rid, [c.chunk_id])
                     rec.done.add(c.chunk_id)
-                    rec.tokens += c.num_tokens
-                    received += c.chunk_bytes
                 if st.state is RoomState.FAILED:
                     raise RoomFailed(rid, st.failure_code, st.failure_reason)
-                if st.state is RoomState.SUCCESS and rec.tokens == rec.room.num_tokens:
+                if st.state is RoomState.SUCCESS and rec.held.complete and rec.pages is not None:
                     # The decode engine's view of the room: its heads, gathered back out of its pool.
                     n = rec.room.num_tokens
                     out = torch.empty(pool.kv.slot_nbytes(n), dtype=torch.uint8, device=spec.device)
                     pool.kv.gather(rec.pages, n, spec.page_size, out, backend=spec.backend)
-                    results.put(("kv", rec.dtype, rec.room.index, rank, out.cpu().numpy().tobytes(), st.aux))
+                    results.put(("kv", rec.dtype, rec.room.index, rank, out.cpu().numpy().tobytes(), st.aux,
+                                 rec.held.t_held))
+                    del out
+                    scattered += rec.held.scattered
                     rx.release(rid)
+                    if spec.sequential:
+                        pool.free_pages(rec.pages)
                     del active[rid]
-    return {"bytes_received": received}
+    return {"bytes_received": received, "layer_groups_early": early, "groups_scattered": scattered}
 
 
 
@@ -517,14 +637,21 @@ class Reference:
 def reference(spec: Spec, model: Any) -> dict[int, Reference]:
     """Every room in one process, no transfer: the same chunked prefill, then greedy decode."""
     out: dict[int, Reference] = {}
+    seen: dict[tuple[int, ...], Reference] = {}
     with torch.inference_mode():
         for room in spec.rooms:
+            if spec.mode(room) == "compute":
+                continue
+            if room.prompt in seen:  # --layerwise-compare repeats prompts
+                out[room.index] = seen[room.prompt]
+                continue
             cache = new_cache(model)
             nxt = 0
             for start, end in spec.chunks(room):
                 nxt = prefill_chunk(model, cache, room.prompt, start, end)
             kv = stacked_kv(cache, spec.layers, 0, room.num_tokens).cpu().clone()
-            out[room.index] = Reference(greedy_continue(model, cache, nxt, spec.new_tokens), kv)
+            out[room.index] = seen[room.prompt] = Reference(greedy_continue(model, cache, nxt, spec.new_tokens), kv)
+            del cache
     return out
 
 
@@ -547,8 +674,10 @@ def check_room(
         want = ref.kv[rh.start : rh.start + rh.count]
         # Every rank is compared, GQA replicas included: a replica nobody decodes from here is
         # still a rank a TP engine would attend with.
-        identical = identical and torch.equal(part.view(torch.uint8), want.contiguous().view(torch.uint8))
-        max_diff = max(max_diff, float((part.double() - want.double()).abs().max()))
+        same = torch.equal(part.view(torch.uint8), want.contiguous().view(torch.uint8))
+        identical = identical and same
+        if not same:  # (in float64 an 8k-token 8B-shape room would take 8 GiB to say 0)
+            max_diff = max(max_diff, float((part.double() - want.double()).abs().max()))
         for h in range(rh.count):
             if not filled[rh.start + h]:
                 full[rh.start + h] = part[h]
@@ -568,7 +697,8 @@ def check_room(
         mismatch = common
     return {
         "dtype": dtype, "room": spec.room_id(dtype, room), "index": room.index, "prompt_tokens": n,
-        "chunks": len(spec.chunks(room)), "tokens_match": mismatch is None, "first_mismatch": mismatch,
+        "chunks": len(spec.chunks(room)), "mode": spec.mode(room), "warmup": room.warmup,
+        "tokens_match": mismatch is None, "first_mismatch": mismatch,
         "max_abs_kv_diff": max_diff, "kv_bit_identical": identical, "tokens": tokens,
         "reference_tokens": ref.tokens,
     }
@@ -581,13 +711,13 @@ def check_room(
 class OwnDaemons:
     """Two daemons as subprocesses (temp sockets, peer port 0); started at once, awaited later."""
 
-    def __init__(self, timeout: float = 60.0, pool: str = "128MiB") -> None:
+    def __init__(self, timeout: float = 60.0, pools: tuple[str, str] = ("128MiB", "128MiB")) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="kvx-pd-"))  # short: socket paths are capped at 108 B
         self.timeout = timeout
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.info: dict[str, dict[str, Any]] = {}
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        for name in ("prefill", "decode"):
+        for name, pool in zip(("prefill", "decode"), pools, strict=True):
             args = [
                 sys.executable, "-m", "kvxferd", "serve", "--socket", str(self.dir / f"{name}.sock"),
                 "--peer-listen", "127.0.0.1:0", "--metrics-port", "-1", "--host-pool-bytes", pool,
@@ -656,16 +786,20 @@ def run(spec: Spec, daemons: OwnDaemons | None = None) -> dict[str, Any]:
     ctx: Any = mp.get_context("fork" if fork else "spawn")
     results: Any = ctx.Queue()
     procs: dict[tuple[str, int], Any] = {}
+    # --sequential: the driver tells each prefill rank when the decode holds a room and it was checked.
+    gos = [ctx.Queue() if spec.sequential else None for _ in range(spec.prefill_tp)]
     for rank in range(spec.decode_tp):
         procs[("decode", rank)] = ctx.Process(target=decode_rank, args=(spec, rank, results), daemon=True)
     for rank in range(spec.prefill_tp):
-        procs[("prefill", rank)] = ctx.Process(target=prefill_rank, args=(spec, rank, results), daemon=True)
+        procs[("prefill", rank)] = ctx.Process(target=prefill_rank, args=(spec, rank, results, gos[rank]),
+                                               daemon=True)
     t0 = time.perf_counter()
     for p in procs.values():
         p.start()
     parts: dict[tuple[str, int], dict[int, tuple[bytes, bytes]]] = {}
     rows: dict[tuple[str, int], dict[str, Any]] = {}
     stats: dict[tuple[str, int], dict[str, Any]] = {}
+    held: dict[tuple[str, int], float] = {}
     errors: list[str] = []
     gone_since: dict[tuple[str, int], float] = {}
     deadline = time.monotonic() + spec.timeout + 30
@@ -684,13 +818,17 @@ def run(spec: Spec, daemons: OwnDaemons | None = None) -> dict[str, Any]:
                     errors.append(f"run not finished after {spec.timeout + 30:.0f} s")
                 continue
             if msg[0] == "kv":
-                _, dtype, index, rank, data, aux = msg
+                _, dtype, index, rank, data, aux, t_held = msg
                 got = parts.setdefault((dtype, index), {})
                 got[rank] = (data, aux)
+                held[(dtype, index)] = max(held.get((dtype, index), 0.0), t_held)
                 if len(got) == spec.decode_tp:
                     room = by_index[index]
                     rows[(dtype, index)] = check_room(spec, dtype, models[dtype], room, refs[dtype][index], got)
                     del parts[(dtype, index)]
+                    if spec.sequential and all(k in rows for k in ((dt, index) for dt in spec.dtypes)):
+                        for go in gos:
+                            go.put(index)
             else:
                 _, role, rank, payload, err = msg
                 stats[(role, rank)] = payload
@@ -705,13 +843,19 @@ def run(spec: Spec, daemons: OwnDaemons | None = None) -> dict[str, Any]:
             if p.is_alive():
                 p.kill()
     ordered = [rows[(dt, r.index)] for dt in spec.dtypes for r in spec.rooms if (dt, r.index) in rows]
-    complete = len(ordered) == len(spec.dtypes) * len(spec.rooms)
+    sent = [r for r in spec.rooms if spec.mode(r) != "compute"]
+    complete = len(ordered) == len(spec.dtypes) * len(sent)
+    timed = room_timing(spec, rows, held, stats) if spec.timing else []
     first = next((r for r in ordered if not r["tokens_match"]), None)
     tokens_match = complete and first is None
     max_diff = max((r["max_abs_kv_diff"] for r in ordered), default=math.inf)
     identical = complete and all(r["kv_bit_identical"] for r in ordered)
     bytes_moved = sum(s.get("bytes_received", 0) for (role, _), s in stats.items() if role == "decode")
     bytes_gathered = sum(s.get("bytes_gathered", 0) for (role, _), s in stats.items() if role == "prefill")
+
+    def total(role: str, key: str) -> int:
+        return sum(s.get(key, 0) for (r, _), s in stats.items() if r == role)
+
     return {
         "ok": not errors and tokens_match and identical and max_diff == 0,
         "tokens_match": tokens_match,
@@ -721,6 +865,12 @@ def run(spec: Spec, daemons: OwnDaemons | None = None) -> dict[str, Any]:
         "kv_bit_identical": identical,
         "bytes_moved": bytes_moved,
         "bytes_gathered": bytes_gathered,
+        # Layer-wise: groups gathered and the parts they went as (prefill ranks), group copies into
+        # the decode pools and how many of them a layer event brought before the chunk was complete.
+        "layer_groups_sent": total("prefill", "layer_groups_sent"),
+        "layer_parts_sent": total("prefill", "layer_parts_sent"),
+        "groups_scattered": total("decode", "groups_scattered"),
+        "layer_groups_early": total("decode", "layer_groups_early"),
         "wall_s": round(wall, 3),
         "rooms": len(ordered),
         "staging_ring": ("cuda-ipc" if spec.staging == "vram" else f"host-pinned ({spec.staging})")
@@ -728,7 +878,34 @@ def run(spec: Spec, daemons: OwnDaemons | None = None) -> dict[str, Any]:
         "errors": errors,
         "config": {k: v for k, v in asdict(spec).items() if k not in ("rooms",)},
         "per_room": ordered,
+        **({"timing": timed, "compare": _lw().compare_summary(timed)} if spec.timing else {}),
     }
+
+
+def room_timing(spec: Spec, rows: dict[tuple[str, int], dict[str, Any]], held: dict[tuple[str, int], float],
+                stats: dict[tuple[str, int], dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per room (every mode): t_start (the first prefill rank's forward begins), t_compute (the
+    last one's ends), t_held (the last decode rank's last scatter synced), all CLOCK_MONOTONIC, which
+    a host's processes share; TTFT = t_held - t_start."""
+    out = []
+    for dt in spec.dtypes:
+        for room in spec.rooms:
+            per_rank = [s.get("timing", {}).get(f"{dt}:{room.index}") for (role, _), s in stats.items() if role == "prefill"]
+            if not per_rank or not all(t and "t_compute" in t for t in per_rank):
+                continue
+            t0 = min(t["t_start"] for t in per_rank)
+            t1 = max(t["t_compute"] for t in per_rank)
+            mode = spec.mode(room)
+            row: dict[str, Any] = {"dtype": dt, "index": room.index, "room": spec.room_id(dt, room), "mode": mode,
+                                   "prompt_tokens": room.num_tokens, "warmup": room.warmup,
+                                   "ok": True if mode == "compute" else bool(rows.get((dt, room.index), {}).get("kv_bit_identical"))}
+            t = {"t_start": t0, "t_compute": t1, "compute_ms": round((t1 - t0) * 1000, 3)}
+            if (dt, room.index) in held:
+                t |= {"t_held": held[(dt, room.index)], "ttft_ms": round((held[(dt, room.index)] - t0) * 1000, 3)}
+            elif mode != "compute":
+                continue
+            out.append(row | {"timing": t})
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -765,6 +942,11 @@ def print_report(spec: Spec, rep: dict[str, Any]) -> None:
     )
     console.print(f"rooms={rep['rooms']} bytes_moved={rep['bytes_moved']} wall_s={rep['wall_s']}  {verdict}",
                   highlight=False)
+    for c in rep.get("compare", []):
+        console.print(
+            f"{c['dtype']} {c['prompt_tokens']} tokens (median of {c['reps']}): compute {c['compute_ms']} ms, TTFT whole "
+            f"{c['ttft_whole_ms']} / layer-wise {c['ttft_layerwise_ms']} ms = compute x {c['layerwise_over_compute']}, "
+            f"exposed {c['exposed_whole_ms']} -> {c['exposed_layerwise_ms']} ms (cut {c['exposed_cut']})", highlight=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -809,17 +991,43 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Spec]:
     p.add_argument("--decode-socket", default="", help="running decode daemon")
     p.add_argument("--prefill-address", default="", help="the prefill daemon's peer address")
     p.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    p.add_argument("--intermediate", type=int, default=0, help="MLP width (default 2 x --hidden); the 8B shape: "
+                   "--layers 32 --heads 32 --kv-heads 8 --head-dim 128 --hidden 4096 --intermediate 14336 --vocab 128256")
+    p.add_argument("--layerwise", action="store_true",
+                   help="send chunks as layer parts from forward hooks as each layer group is computed (issue #37)")
+    p.add_argument("--layer-group", type=int, default=0, help="layers a part (default ceil(layers / 16))")
+    p.add_argument("--timing", action="store_true", help="per room t_start / t_compute / t_held and TTFT")
+    p.add_argument("--sequential", action="store_true",
+                   help="one room at a time: the next prefill starts once the decode holds the last one")
+    p.add_argument("--layerwise-compare", action="store_true",
+                   help="per prompt, interleave whole chunks, layer-wise and compute-only, --reps times (implies "
+                   "--timing --sequential); one warm-up round at the shortest prompt is left out of the summary")
+    p.add_argument("--prompt-lengths", default="", help="comma list of prompt lengths (instead of --rooms/--prompt-tokens)")
+    p.add_argument("--reps", type=int, default=3, help="--layerwise-compare rounds")
     args = p.parse_args(argv)
 
     given = [bool(args.prefill_socket), bool(args.decode_socket), bool(args.prefill_address)]
     if any(given) and not all(given):
         p.error("--prefill-socket, --decode-socket and --prefill-address go together")
     for name in ("layers", "heads", "kv_heads", "head_dim", "hidden", "vocab", "rooms", "prompt_tokens",
-                 "chunk_tokens", "page_size", "new_tokens", "prefill_tp", "decode_tp"):
+                 "chunk_tokens", "page_size", "new_tokens", "prefill_tp", "decode_tp", "reps"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.rooms >= ROOM_STRIDE:
         p.error(f"--rooms must be below {ROOM_STRIDE}")
+    if args.layer_group < 0 or args.intermediate < 0:
+        p.error("--layer-group and --intermediate must be at least 0")
+    try:
+        given_lengths = [int(x) for x in args.prompt_lengths.split(",") if x.strip()]
+    except ValueError:
+        p.error("--prompt-lengths: a comma list of token counts")
+    if any(n < 1 for n in given_lengths):
+        p.error("--prompt-lengths: every length must be at least 1")
+    compare_rooms = 3 * (1 + args.reps * len(given_lengths or [args.prompt_tokens]))
+    if args.layerwise_compare and compare_rooms >= ROOM_STRIDE:
+        p.error(f"--layerwise-compare: {compare_rooms} rooms, at most {ROOM_STRIDE - 1}")
+    if args.fault != "none" and args.layerwise_compare:
+        p.error("--fault and --layerwise-compare do not go together")
     if args.heads % args.kv_heads:
         p.error(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
     dtypes = tuple(_DTYPE_ALIASES.get(d.strip(), d.strip()) for d in args.dtype.split(",") if d.strip())
@@ -840,9 +1048,13 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Spec]:
     for i in range(1, args.rooms):
         lengths.append(pool[i - 1] if i - 1 < len(pool) else int(torch.randint(lo, args.prompt_tokens + 1, (1,),
                                                                                 generator=gen)))
+    if given_lengths:
+        lengths = given_lengths
     rooms = tuple(
         Room(i, tuple(torch.randint(0, args.vocab, (n,), generator=gen).tolist())) for i, n in enumerate(lengths)
     )
+    if args.layerwise_compare:
+        rooms = compare_rooms_of(rooms, args.reps)
     pid = os.getpid()
     spec = Spec(
         arch=args.arch, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
@@ -853,6 +1065,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Spec]:
         fault=args.fault, backend=cast("Backend", args.kernel_backend), timeout=args.timeout,
         prefill_socket=args.prefill_socket, decode_socket=args.decode_socket,
         prefill_address=args.prefill_address, staging=args.staging,
+        layerwise=args.layerwise, layer_group=args.layer_group, intermediate=args.intermediate,
+        timing=args.timing or args.layerwise_compare, sequential=args.sequential or args.layerwise_compare,
     )
     if spec.fault == "swap-heads":
         try:
@@ -862,11 +1076,33 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Spec]:
     return args, spec
 
 
+def compare_rooms_of(prompts: Sequence[Room], reps: int) -> tuple[Room, ...]:
+    """A warm-up of each mode at the shortest prompt, then per rep and prompt the three modes, their
+    order rotated per rep so that none always runs first (right after another room's transfer)."""
+    modes = ("whole", "layerwise", "compute")
+    shortest = min(prompts, key=lambda r: r.num_tokens)
+    plan = [(shortest.prompt, m, True) for m in modes]
+    for rep in range(reps):
+        for r in prompts:
+            plan += [(r.prompt, modes[(rep + j) % 3], False) for j in range(3)]
+    return tuple(Room(i, prompt, mode, warm) for i, (prompt, mode, warm) in enumerate(plan))
+
+
+def pool_size(spec: Spec, role: str) -> str:
+    """The daemons' host pool: with GPU engines staging in host rings, every ring of the side."""
+    from kvxfer_protocol.slot_layout import rank_heads
+
+    if not spec.device.startswith("cuda") or spec.staging == "vram":
+        return "128MiB"
+    tp = spec.prefill_tp if role == "prefill" else spec.decode_tp
+    rings = sum(ring_bytes_for(spec, dt, rank_heads(spec.kv_heads, tp, r).count) for dt in spec.dtypes for r in range(tp))
+    return f"{max(512, (rings * 5 // 4 >> 20) + 64)}MiB"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args, spec = parse_args(argv)
     # Host-pool rings of every rank of both dtypes come out of the pool when GPU engines stage there.
-    pool = "512MiB" if spec.device.startswith("cuda") and spec.staging != "vram" else "128MiB"
-    daemons = None if spec.prefill_socket else OwnDaemons(pool=pool)
+    daemons = None if spec.prefill_socket else OwnDaemons(pools=(pool_size(spec, "prefill"), pool_size(spec, "decode")))
     try:
         rep = run(spec, daemons)
     except Exception as exc:  # a run that could not happen still leaves a report

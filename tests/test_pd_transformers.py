@@ -164,11 +164,11 @@ def daemon_status(d: DaemonProc) -> engine_pb2.DaemonStatus:
         return engine_pb2_grpc.EngineStub(ch).GetStatus(engine_pb2.GetStatusRequest(), timeout=5)
 
 
-def parts_bytes(rep: dict[str, Any], tp: int, page_size: int) -> int:
+def parts_bytes(rep: dict[str, Any], tp: int, page_size: int, kv_heads: int = KV_HEADS) -> int:
     """Bytes of every rank's part of every room of a report, for a TP group of ``tp`` ranks."""
     total = 0
     for r in rep["per_room"]:
-        layout = KVLayout(LAYERS, KV_HEADS, HEAD_DIM, DTYPES[r["dtype"]], page_size)
+        layout = KVLayout(LAYERS, kv_heads, HEAD_DIM, DTYPES[r["dtype"]], page_size)
         total += sum(part_bytes(layout, tp, rank, r["prompt_tokens"]) for rank in range(tp))
     return total
 
@@ -228,6 +228,42 @@ def test_tokens_identical_and_kv_bit_exact(
             st = daemon_status(d)
             assert st.slots_held == 0, f"{d.name} still holds {st.slots_held} slots"
             assert st.rooms_by_state.get("FAILED", 0) == 0
+
+
+def test_layerwise_parts_from_forward_hooks(pd_env: Env) -> None:
+    """--layerwise (issue #37): forward hooks send each layer group of a chunk as its own part while
+    later layers compute; decode ranks scatter each landed group; tokens and every byte as the
+    reference's. 4 KV heads at 4->2 so a decode rank's slot holds 2 heads: its group-major layout
+    differs from the whole-chunk one (with one head they agree), and groups of 3 of the 4 layers
+    leave a short last group."""
+    kv_heads, group, page = 4, 3, 8
+    code, rep, printed = pd_env.runner.run(
+        *MODEL, "--kv-heads", str(kv_heads), "--rooms", "3", "--prompt-tokens", "30", "--chunk-tokens", "12",
+        "--page-size", str(page), "--prefill-tp", "4", "--decode-tp", "2", "--dtype", "bfloat16",
+        "--layerwise", "--layer-group", str(group), *pd_env.shared(),
+    )
+    assert code == 0, printed
+    assert rep["errors"] == [], printed
+    assert rep["ok"] is True and rep["tokens_match"] is True
+    assert rep["max_abs_kv_diff"] == 0 and rep["kv_bit_identical"] is True
+    rooms = rep["per_room"]
+    assert len(rooms) == rep["rooms"] == 3
+    for r in rooms:
+        assert r["mode"] == "layerwise"
+        assert len(r["tokens"]) == NEW_TOKENS and r["tokens"] == r["reference_tokens"], r
+    groups = -(-LAYERS // group)
+    chunks = sum(r["chunks"] for r in rooms)
+    assert chunks > len(rooms)  # some room went in several chunks
+    # Every prefill rank (replicas too) sent every group of every chunk from its own hook (on CPU a
+    # group is sent as its layer ends: no two ready together), and each decode rank copied each once.
+    assert rep["layer_groups_sent"] == rep["layer_parts_sent"] == 4 * chunks * groups
+    assert rep["groups_scattered"] == 2 * chunks * groups
+    assert rep["bytes_moved"] == parts_bytes(rep, 2, page, kv_heads)
+    assert rep["bytes_gathered"] == parts_bytes(rep, 4, page, kv_heads)
+    for d in (pd_env.prefill, pd_env.decode):
+        st = daemon_status(d)
+        assert st.slots_held == 0, f"{d.name} still holds {st.slots_held} slots"
+        assert st.rooms_by_state.get("FAILED", 0) == 0
 
 
 def test_wrong_head_mapping_fails_the_check(pd_env: Env) -> None:
