@@ -29,6 +29,7 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import secrets
 import signal
 import sys
 import tempfile
@@ -182,7 +183,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                       all_loaded=all(x["loaded_tokens"] == x["prompt_tokens"] for x in per),
                       block_size=args.block_size, max_batched_tokens=args.max_batched_tokens)
         report["swap_check"] = swap_check(args, engines, prompts, ref["outputs"])
-        report["ok"] = report["tokens_match"] and report["all_loaded"] and report["swap_check"]["kv_used"]
+        report["layerwise"] = layerwise_run(args, engines, prompts, ref["outputs"], params[0])
+        report["ok"] = (report["tokens_match"] and report["all_loaded"] and report["swap_check"]["kv_used"]
+                        and report["layerwise"]["match"] and report["layerwise"]["all_loaded"])
         if args.fault == "kill-prefill-daemon":
             again = engines["prefill"].generate(prompts, [{"do_remote_decode": True}] * len(prompts), 1, args.timeout)
             fault = fault_run(args, daemons, engines["decode"], prompts, [o["kv_transfer_params"] for o in again["outputs"]], n)
@@ -210,6 +213,27 @@ def swap_check(args: argparse.Namespace, engines: dict[str, Engine], prompts: li
     load_ms = [(o["kv_transfer_params"] or {}).get("kvxfer_load_ms") for o in dec["outputs"]]
     return {"prompts": [a, b], "tokens": got, "kv_used": got[0] != ref[a]["tokens"] and got[1] != ref[b]["tokens"],
             "decode_load_ms": load_ms, "prefill_block_hold_ms": [p.get("kvxfer_prefill_block_hold_ms") for p in (pa, pb)]}
+
+
+def layerwise_run(args: argparse.Namespace, engines: dict[str, Engine], prompts: list[str],
+                  ref: list[dict[str, Any]], seen: dict[str, Any]) -> dict[str, Any]:
+    """Layer-wise streaming as ``proxy --concurrent`` drives it: room ids drawn here, the decode
+    engine asked first (it expects each room while the prefill computes), the prefill sending a
+    part per layer (layer_group 1) from the forward's hooks. Tokens must equal the reference's."""
+    rooms = [secrets.randbits(62) for _ in prompts]
+    where = {"kvxfer_prefill_address": seen["kvxfer_prefill_address"],
+             "kvxfer_prefill_group": seen["kvxfer_prefill_group"]}
+    dec_params = [{"do_remote_prefill": True, "kvxfer_room": r, **where} for r in rooms]
+    pre_params = [{"do_remote_decode": True, "kvxfer_room": r, "kvxfer_layerwise": True, "kvxfer_layer_group": 1}
+                  for r in rooms]
+    engines["decode"].cmds.put(("generate", prompts, dec_params, args.new_tokens))
+    pre = engines["prefill"].generate(prompts, pre_params, 1, args.timeout)
+    dec = engines["decode"].wait("result", args.timeout)
+    got = [o["tokens"] for o in dec["outputs"]]
+    loaded = [(o["kv_transfer_params"] or {}).get("kvxfer_loaded_tokens") for o in dec["outputs"]]
+    return {"tokens": got, "match": got == [r["tokens"] for r in ref], "loaded_tokens": loaded,
+            "all_loaded": loaded == [r["prompt_tokens"] for r in ref],
+            "prefill_failed": [(o["kv_transfer_params"] or {}).get("kvxfer_prefill_failed") for o in pre["outputs"]]}
 
 
 def fault_run(args: argparse.Namespace, daemons: OwnDaemons, decode: Engine, prompts: list[str],

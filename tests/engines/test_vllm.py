@@ -8,6 +8,9 @@ One run covers (engine start-up dominates the cost on 2 cores, so it is paid onc
 - every decode request loaded its whole prompt's KV through kvxferd, and two prompts of one length
   decoded with each other's rooms do not give their own tokens (the KV received is used);
 - the prefill engine frees its blocks at once (block hold time reported and bounded);
+- layer-wise streaming (issue #37) as ``proxy --concurrent`` drives it: room ids drawn by the
+  caller, each decode request sent before its prefill, one layer part per layer from the
+  forward's hooks: the same tokens, every prompt token's KV loaded;
 - a decode engine whose prefill daemon is stopped, then killed while it waits for the KV, ends every
   request with vLLM's error finish reason in bounded time and still serves afterwards.
 """
@@ -56,6 +59,9 @@ def test_vllm_pd_tokens_identical_and_prefill_loss_fails_cleanly(short_tmp: Path
         # Blocks are freed when the request finishes, not when the decode has read them.
         assert 0 < p["prefill_block_hold_ms"] < 30_000, p
     assert rep["swap_check"]["kv_used"], rep["swap_check"]
+    lw = rep["layerwise"]
+    assert lw["tokens"] == [p["reference"] for p in per], lw
+    assert lw["loaded_tokens"] == lengths and lw["prefill_failed"] == [None] * 5, lw
 
     fault = rep["fault"]
     assert fault["finish_reasons"] == ["error"] * 5, fault

@@ -10,7 +10,13 @@ true}`` and ``max_tokens = 1``, then sends it to the decode instance with the ``
 the prefill output carries (room, prefill daemon address, prefill group, token count). Settings
 (``kv_connector_extra_config``): ``socket``, ``group``, ``ring_bytes``, ``max_chunk_tokens``,
 ``deadline_ms``, ``acquire_timeout_s``, ``prefill_address``, ``call_timeout_s``,
-``load_failure_policy`` (see :class:`Settings`).
+``load_failure_policy``, ``layerwise``, ``layer_group``, ``layerwise_min_tokens`` (see :class:`Settings`).
+
+Layer-wise streaming (``layerwise``, or per request ``kv_transfer_params["kvxfer_layerwise"]``):
+a prefill room's chunks go as layer groups from the forward's per-layer hook, so the transfer
+runs while later layers compute (``_layers.py``); decode engines always accept such rooms. It
+hides the transfer only if the decode engine expects the room while the prefill computes:
+``python -m kvxfer_client.proxy --concurrent``.
 
 Healing. Each TP rank's registration with its daemon heals by itself (``kvxfer_client._reattach``):
 a daemon that restarts (kill -9, upgrade) is registered with again (new ring, same group and rank)
@@ -211,8 +217,10 @@ class KvxferdConnector(KVConnectorBase_V1):
         return
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        # One slot holds every layer of a chunk, so the gather runs once, after the last layer.
-        return
+        # Whole chunks: one slot holds every layer, gathered once after the forward (wait_for_save).
+        # Layer-wise chunks (settings.layerwise): a group goes as soon as its last layer is written.
+        if self._worker is not None:
+            self._worker.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
         if self._worker is not None and self.has_connector_metadata():

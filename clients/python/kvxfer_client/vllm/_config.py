@@ -25,6 +25,10 @@ P_LOAD_MS = "kvxfer_load_ms"
 # the decode engine then applies the load-failure policy at once instead of waiting for a room
 # that will never fill.
 P_FAILED = "kvxfer_prefill_failed"
+# Per request, on the prefill leg: send this room as layer parts (True) or whole chunks (False)
+# whatever the engine's ``layerwise`` setting says, and its layers a group (0: auto).
+P_LAYERWISE = "kvxfer_layerwise"
+P_LAYER_GROUP = "kvxfer_layer_group"
 POLICIES = ("fail", "recompute")
 
 
@@ -43,6 +47,12 @@ class Settings:
     # What a decode request whose KV cannot come does: "fail" or "recompute"; "" follows vLLM's
     # own kv_transfer_config.kv_load_failure_policy (the connector sets that one when this is given).
     load_failure_policy: str = ""
+    # Layer-wise streaming (docs/design/layerwise.md §3.1): a prefill room of at least
+    # layerwise_min_tokens tokens goes as layer parts, each group enqueued as the forward computes
+    # it; layer_group layers a part (0: auto, parts >= 1 MiB and <= 16 groups a chunk).
+    layerwise: bool = False
+    layer_group: int = 0
+    layerwise_min_tokens: int = 256
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any], engine_id: str) -> Settings:
@@ -58,7 +68,7 @@ class Settings:
             raise ValueError(f"KvxferdConnector load_failure_policy must be one of {POLICIES} or unset, "
                              f"got {s.load_failure_policy!r}")
         if (s.ring_bytes <= 0 or s.max_chunk_tokens < 0 or s.deadline_ms < 0 or s.acquire_timeout_s <= 0
-                or s.call_timeout_s <= 0):
+                or s.call_timeout_s <= 0 or s.layer_group < 0 or s.layerwise_min_tokens < 0):
             raise ValueError(f"bad KvxferdConnector settings: {s}")
         return s
 
@@ -85,6 +95,8 @@ class SendChunk:
     last: bool
     block_ids: tuple[int, ...]  # blocks holding tokens from first_block * block_size on
     first_block: int
+    layerwise: bool = False  # as layer parts from the forward's per-layer hook (else whole, after it)
+    layer_group: int = 0  # layers a part; 0: auto (the worker knows the bytes)
 
 
 @dataclass(frozen=True)

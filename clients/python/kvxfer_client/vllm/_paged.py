@@ -105,10 +105,11 @@ class CacheShape:
         return KVPages([p.k for p in self.planes], [p.v for p in self.planes])
 
     def copy(self, kind: Literal["gather", "scatter"], slot: torch.Tensor, block_ids: Sequence[int],
-             first_block: int, start: int, end: int) -> None:
-        """Tokens [start, end) of a request's blocks into a slot ``[H, L, 2, T, D]`` or back."""
+             first_block: int, start: int, end: int, kv: KVPages | None = None) -> None:
+        """Tokens [start, end) of a request's blocks into a slot ``[H, L, 2, T, D]`` or back;
+        ``kv``: a layer group's pages (``pages.layers``) and its part of a group-major slot."""
         ids, offset = chunk_pages(block_ids, first_block, start, end, self.block_size, self.kernel_block_size)
-        kv = self.pages
+        kv = kv if kv is not None else self.pages
         # Triton on a GPU cache; on CPU it would only run interpreted: the byte-exact torch reference.
         backend: Backend = "auto" if kv.device.type == "cuda" else "torch"
         fn = kv.gather if kind == "gather" else kv.scatter

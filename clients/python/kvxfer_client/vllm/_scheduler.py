@@ -37,6 +37,8 @@ from kvxfer_client.vllm._config import (
     P_FAILED,
     P_GROUP,
     P_HOLD_MS,
+    P_LAYER_GROUP,
+    P_LAYERWISE,
     P_LOAD_MS,
     P_LOADED,
     P_ROOM,
@@ -75,6 +77,16 @@ class _Send:
     next_token: int = 0
     next_chunk: int = 0
     failed: str = ""  # a worker could not enqueue one of its chunks: the room will never fill
+    layerwise: bool = False
+    layer_group: int = 0
+
+
+def _room_tokens(request: Any, params: dict[str, Any]) -> int:
+    """The room's tokens: what the prefill engine said, or (decode leg sent while the prefill
+    computes, ``proxy --concurrent``) this engine's own prompt, the same tokens."""
+    if params.get(P_TOKENS) is not None:
+        return int(params[P_TOKENS])
+    return len(request.prompt_token_ids or ())
 
 
 class RoomIds:
@@ -119,7 +131,7 @@ class ConnectorScheduler:
         if params.get(P_FAILED):
             logger.warning("request %s: the prefill engine failed to send its KV (%s): load failure policy applies",
                            request.request_id, params[P_FAILED])
-        count = int(params[P_TOKENS]) - num_computed_tokens
+        count = _room_tokens(request, params) - num_computed_tokens
         if count <= 0:
             return 0, False
         self._pending_loads[request.request_id] = num_computed_tokens
@@ -129,18 +141,30 @@ class ConnectorScheduler:
         params = request.kv_transfer_params or {}
         rid = request.request_id
         if params.get(P_DO_REMOTE_DECODE) and rid not in self._sends:
-            self._sends[rid] = _Send(self._rooms.next(), len(request.prompt_token_ids or ()), time.monotonic())
+            self._sends[rid] = self._new_send(request, params)
         skip = self._pending_loads.pop(rid, None)
         if skip is None or num_external_tokens <= 0:
             return
         self._loads.append(LoadSpec(
             req_id=rid, room=int(params[P_ROOM]), prefill_address=str(params[P_ADDRESS]),
-            prefill_group=str(params[P_GROUP]), num_tokens=int(params[P_TOKENS]),
+            prefill_group=str(params[P_GROUP]), num_tokens=_room_tokens(request, params),
             block_ids=tuple(blocks.get_block_ids()[0]), skip_tokens=skip, failed=str(params.get(P_FAILED) or ""),
         ))
         self._loading[rid] = _Load(num_external_tokens, time.monotonic())
         # Load once: if it fails, vLLM recomputes or fails the request, and must not load again.
         params[P_DO_REMOTE_PREFILL] = False
+
+    def _new_send(self, request: Any, params: dict[str, Any]) -> _Send:
+        """A prefill request's room: the proxy's id when it drew one (``proxy --concurrent`` sends
+        the decode leg at once), and whether it goes as layer parts (the request's say first)."""
+        n = len(request.prompt_token_ids or ())
+        s = self.settings
+        room = int(params[P_ROOM]) if params.get(P_ROOM) is not None else self._rooms.next()
+        layerwise = params.get(P_LAYERWISE)
+        if layerwise is None:
+            layerwise = s.layerwise and n >= s.layerwise_min_tokens
+        group = int(params.get(P_LAYER_GROUP) or s.layer_group)
+        return _Send(room, n, time.monotonic(), layerwise=bool(layerwise), layer_group=max(0, group))
 
     def loads_finished(self, finished: set[str], failed: set[str]) -> None:
         now = time.monotonic()
@@ -200,7 +224,7 @@ class ConnectorScheduler:
                 plan.sends.append(SendChunk(
                     req_id=rid, room=st.room, chunk_id=st.next_chunk, start=st.next_token, end=stop,
                     last=stop == st.prompt_len, block_ids=tuple(st.blocks[first : last_block + 1]),
-                    first_block=first,
+                    first_block=first, layerwise=st.layerwise, layer_group=st.layer_group,
                 ))
                 st.next_token, st.next_chunk = stop, st.next_chunk + 1
         return plan

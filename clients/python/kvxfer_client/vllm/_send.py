@@ -17,6 +17,7 @@ from kvxfer_client._sync_prefill import PrefillSender
 from kvxfer_client.errors import ChunkRefused, KvxferError
 from kvxfer_client.vllm import _paged
 from kvxfer_client.vllm._config import SendChunk, StepPlan
+from kvxfer_client.vllm._layers import LayerSends
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,40 @@ class SendPath:
         self._epochs: dict[int, int] = {}  # room -> the registration epoch of its first chunk
         self._dead: dict[int, str] = {}  # rooms failed here -> why; their later chunks are skipped
         self.failed: dict[str, str] = {}  # request ids of failed rooms, for the scheduler side
+        self.layers = LayerSends(shape, acquire_timeout_s, self._fail)
+
+    def start(self, plan: StepPlan) -> None:
+        """Before the forward: slots for the step's layer-wise chunks, so no layer hook waits for
+        ring space. One that cannot be had fails its room (save() then skips it)."""
+        wanted = [c for c in plan.sends if c.layerwise]
+        if not wanted:
+            return
+        try:
+            tx, epoch = self.link.get()
+        except KvxferError:
+            return  # save() fails them with the reason
+        for c in wanted:
+            if not self._usable(tx, epoch, c):
+                continue
+            try:
+                self.layers.open(tx, c)
+            except Exception as exc:
+                self.link.failed(exc, epoch)
+                self._fail(c.req_id, c.room, f"prefill slot for layer parts failed: {exc}", tx)
+
+    def save_layer(self, name: str) -> None:
+        """A layer's KV is written (the forward's hook): groups complete with it go now."""
+        self.layers.on_layer(name)
+
+    def _usable(self, tx: PrefillSender, epoch: int, c: SendChunk) -> bool:
+        """False for a chunk of a failed room, or of one begun with another registration (failed now)."""
+        if c.room in self._dead:
+            return False
+        first = self._epochs.setdefault(c.room, epoch)
+        if first != epoch or not self.link.up:
+            self._fail(c.req_id, c.room, "the daemon's registration was replaced or is down mid-room", tx)
+            return False
+        return True
 
     def save(self, plan: StepPlan) -> None:
         """Gathers this step's chunks into ring slots and enqueues them; the step's KV is written.
@@ -47,21 +82,19 @@ class SendPath:
         for room in plan.aborts:
             self._epochs.pop(room, None)
             self._dead.pop(room, None)
+            self.layers.drop(room)
         try:
             tx, epoch = self.link.get()
         except KvxferError as exc:
             for c in plan.sends:
                 self._fail(c.req_id, c.room, str(exc), None)
+            self.layers.finish()  # nothing open: start() found the daemon away too
             self._ended(plan)
             return  # the aborted rooms end with their daemon's deadline (or are gone with it)
         for room in plan.aborts:
             quiet(tx.abort, room, "request ended before its prompt was computed")
         for c in plan.sends:
-            if c.room in self._dead:
-                continue
-            first = self._epochs.setdefault(c.room, epoch)
-            if first != epoch or not self.link.up:
-                self._fail(c.req_id, c.room, "the daemon's registration was replaced or is down mid-room", tx)
+            if self.layers.is_open(c) or not self._usable(tx, epoch, c):
                 continue
             while True:
                 try:
@@ -77,6 +110,7 @@ class SendPath:
                     self.link.failed(exc, epoch)
                     self._fail(c.req_id, c.room, f"prefill gather/enqueue failed: {exc}", tx)
                 break
+        self.layers.finish()  # the step's last layer parts and the seals
         # The step's chunks went without waiting for each verdict: all of them, in one round trip
         # (bounded by the client's call timeout; a silent daemon takes the path down).
         for refused in tx.flush():
@@ -89,11 +123,14 @@ class SendPath:
             if c.last:
                 self._epochs.pop(c.room, None)
                 self._dead.pop(c.room, None)
+                self.layers.drop(c.room)
 
     def _refused(self, tx: PrefillSender, epoch: int, exc: ChunkRefused, plan: StepPlan) -> None:
         self.link.failed(exc, epoch)
-        if exc.slot is not None and not exc.lost:
-            quiet(tx.release_slot, exc.slot)  # still ours: the daemon took nothing
+        if exc.slot is not None and not exc.lost and exc.room not in self.layers.rooms:
+            # Still ours: the daemon took nothing (a layer-wise chunk's slot is the daemon's
+            # once any of its parts went in: the room fails, the slot is left to it).
+            quiet(tx.release_slot, exc.slot)
         req = next((c.req_id for c in plan.sends if c.room == exc.room), "")
         self._fail(req, exc.room, f"prefill enqueue refused: {exc.message}", tx)
 

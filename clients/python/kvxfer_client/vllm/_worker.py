@@ -33,6 +33,7 @@ from kvxfer_client._sync_prefill import PrefillSender
 from kvxfer_client.errors import KvxferError, NotSent
 from kvxfer_client.types import Landed, RoomEvent, RoomState
 from kvxfer_client.vllm._config import LoadSpec, Settings, StepPlan
+from kvxfer_client.vllm._layers import scatter_chunk
 from kvxfer_client.vllm._paged import CacheShape
 from kvxfer_client.vllm._send import SendPath, quiet
 
@@ -92,7 +93,10 @@ class ConnectorWorker:
         try:
             if consume:
                 self.rx_link = Reattach(
-                    lambda: DecodeReceiver(group=settings.decode_group, name=f"{name}-d", **common),  # type: ignore[arg-type]
+                    # layer_parts: this worker scatters group-major slots (_layers.scatter_chunk), so
+                    # a prefill engine may send its rooms as layer parts.
+                    lambda: DecodeReceiver(group=settings.decode_group, name=f"{name}-d", layer_parts=True,
+                                           **common),  # type: ignore[arg-type]
                     f"{settings.decode_group} rank {tp_rank}", probe_timeout_s=probe,
                     on_change=lambda up, epoch, why: self._events.put(None))
         except BaseException:
@@ -130,12 +134,20 @@ class ConnectorWorker:
         if self.sends is not None:
             self.sends.save(plan)
 
+    def save_layer(self, name: str) -> None:
+        """The forward wrote a layer's KV: layer-wise groups complete with it are sent."""
+        if self.sends is not None:
+            self.sends.save_layer(name)
+
     def failed_sends(self) -> dict[str, str]:
         """Request ids whose rooms failed here since the last call, with why (for the scheduler)."""
         return self.sends.take_failed() if self.sends is not None else {}
 
     # -- decode --------------------------------------------------------------------------------
     def start_loads(self, plan: StepPlan) -> None:
+        """Before the forward: slots for layer-wise sends, then the step's loads expected."""
+        if self.sends is not None:
+            self.sends.start(plan)
         link = self.rx_link
         if link is None:
             return
@@ -334,6 +346,9 @@ class ConnectorWorker:
         if lo >= hi:
             return
         src = rx.tensor(c.offset, c.chunk_bytes)
+        if 0 < c.layer_group < len(s.layers):
+            scatter_chunk(s, src, c, spec.block_ids, lo)
+            return
         if lo > c.token_start:
             # Tokens the decode engine already holds (its prefix-cache hit) stay untouched; the copy
             # takes a contiguous slot, so the rest is copied out once (only a chunk crossing skip_tokens).
