@@ -125,7 +125,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-reference", action="store_true", help="skip the kvxferd.bench.raw_nixl cross-check")
     ap.add_argument("--profile", metavar="DIR", help="py-spy both daemons during the headline kvxferd point and the mixed-TP points at the headline chunk")
     ap.add_argument("--keep-logs", action="store_true", help="keep daemon and process logs (kept anyway on failure)")
+    ap.add_argument("--layer-parts", type=int, metavar="N",
+                    help="issue #37's control-plane stress instead of the sweep: rooms of one ~5 MiB chunk as N layer "
+                         "parts, against raw NIXL posting the same parts and both sending whole chunks "
+                         "(kvxferd.bench.loopback_layers; honours --quick, --workers, --point-bytes, --json)")
+    ap.add_argument("--rounds", type=int, default=3, help="--layer-parts: interleaved rounds of every arm (default 3)")
     args = ap.parse_args(argv)
+    if args.layer_parts is not None:
+        from kvxferd.bench.loopback_layers import run as layer_run
+
+        return layer_run(args.layer_parts, max(1, args.rounds), args.quick, args.workers or 0,
+                         parse_size(args.point_bytes) if args.point_bytes else 0, 16, args.json, args.keep_logs,
+                         args.profile)
     s = build_settings(args)
 
     from rich.console import Console

@@ -164,9 +164,8 @@ class _PrefillEngine:
             if progress is not None:
                 progress.cancel()
 
-    def _produce(self, spec: RunSpec) -> dict[str, Any]:
-        deadline = time.monotonic() + spec.timeout_s
-        acquire_wait = 0.0
+    def _start_run(self, spec: RunSpec) -> float:
+        """Resets the closed loop for `spec` and admits its first rooms; returns the run's deadline."""
         with self.cond:
             self.active.clear()
             self.finished.clear()
@@ -176,17 +175,27 @@ class _PrefillEngine:
             self.ready = deque()
             self.admitted = {}
             self._admit_locked()
+        return time.monotonic() + spec.timeout_s
+
+    def _take_ready(self, deadline: float, most: int = 1) -> list[RoomPlan]:
+        """Up to `most` admitted rooms to produce, waiting for one; [] once every room finished."""
+        with self.cond:
+            while not self.ready and (self.pending or self.in_flight):
+                if self.watch_error:
+                    raise RuntimeError(self.watch_error)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rooms unfinished: {sorted(self.active)[:5]}")
+                self.cond.wait(0.5)
+            return [self.ready.popleft() for _ in range(min(most, len(self.ready)))]
+
+    def _produce(self, spec: RunSpec) -> dict[str, Any]:
+        deadline = self._start_run(spec)
+        acquire_wait = 0.0
         while True:
-            with self.cond:
-                while not self.ready and (self.pending or self.in_flight):
-                    if self.watch_error:
-                        raise RuntimeError(self.watch_error)
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"rooms unfinished: {sorted(self.active)[:5]}")
-                    self.cond.wait(0.5)
-                if not self.ready:
-                    break
-                p = self.ready.popleft()
+            taken = self._take_ready(deadline)
+            if not taken:
+                break
+            p = taken[0]
             start = 0
             for cid, ntok in enumerate(p.chunks):
                 t0 = time.monotonic()
@@ -224,10 +233,13 @@ class _PrefillEngine:
 class _DecodeEngine:
     """A decode rank: expects rooms, checks every landed chunk, watermarks, records completion."""
 
-    def __init__(self, socket: str, group: str, shape: ModelShape, tp: int, rank: int, ring_bytes: int) -> None:
+    def __init__(self, socket: str, group: str, shape: ModelShape, tp: int, rank: int, ring_bytes: int,
+                 layer_parts: bool = False) -> None:
         from kvxfer_client import DecodeReceiver
 
-        self.rx = DecodeReceiver(**_client_args(socket, group, shape, tp, rank, ring_bytes, "d"))
+        # layer_parts: rooms may come as layer parts, and the watch hears each landed layer range.
+        self.layer_parts = layer_parts
+        self.rx = DecodeReceiver(**_client_args(socket, group, shape, tp, rank, ring_bytes, "d"), layer_parts=layer_parts)
         self.kl = shape.kv_layout()
         self.heads = rank_heads(shape.kv_heads, tp, rank)
         self.cond = threading.Condition()
@@ -282,7 +294,7 @@ class _DecodeEngine:
 
     def _watch(self) -> None:
         try:
-            for batch in self.rx.watch().batches():
+            for batch in self.rx.watch(layer_progress=self.layer_parts).batches():
                 # Chunks read from the ring, watermarked once per batch of events (as an engine
                 # that consumes what one wake-up brought), before any of their rooms is released.
                 read: dict[int, list[int]] = {}
