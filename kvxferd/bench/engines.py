@@ -12,6 +12,9 @@ What runs (every process on this machine, 127.0.0.1, ports picked free):
 * a proxy process (``engines_proxy``) that sends each request to a pair's prefill server with
   ``max_tokens=1`` and ``do_remote_decode`` and then to its decode server with the returned
   ``kv_transfer_params``, streaming the decode; the reference goes through the proxy too;
+* ``kvxferd_layerwise`` (issue #37): the kvxferd engines again, each prefill asked to send layer
+  parts (``kvxfer_layerwise``); with it, both kvxferd routes send the two legs at once
+  (``kvxfer_client.proxy --concurrent``: the proxy draws the room), so only layer-wise differs;
 * this process, the client: a seeded mix of prompts (token ids, 64 to a few thousand tokens, no
   length a multiple of the block size), greedy, a few output tokens, closed loop at 1, 4, 16.
 
@@ -54,12 +57,15 @@ from kvxferd.bench.engines_report import cdf_png, own_processes, plot, print_res
 from kvxferd.bench.engines_servers import (
     CONNECTORS,
     DEFAULT_CONNECTORS,
+    KVXFERD_PREFILL_GROUP,
+    KVXFERD_ROUTES,
     LABELS,
     REFERENCE,
     EngineConfig,
     Proxy,
     Server,
     TreeCpuMeter,
+    pair_of,
     transfer_config,
     wait_all_healthy,
 )
@@ -132,12 +138,12 @@ class EnginesBench:
         cfg = EngineConfig(model=model, max_model_len=max(4096, s.max_prompt + s.new_tokens + 64),
                            block_size=s.block_size, kv_cache_bytes=s.kv_cache_bytes,
                            max_batched_tokens=s.max_batched_tokens, dtype=s.model.dtype)
-        if "kvxferd" in s.connectors:
+        if set(KVXFERD_ROUTES) & set(s.connectors):
             for role in ("prefill", "decode"):
                 self.daemons[role] = start_daemon(self.workdir, f"kvxferd-{role}", s.daemon_pool_bytes)
         self.servers[REFERENCE] = Server(REFERENCE, self.workdir, cfg, None, {})
         for conn in s.connectors:
-            if conn == "kvxferd":
+            if conn in KVXFERD_ROUTES:
                 continue  # after the daemons are up: the connector registers with its daemon at start-up
             for role in ("prefill", "decode"):
                 ktc, env = transfer_config(conn, role, "")
@@ -149,9 +155,18 @@ class EnginesBench:
         self.start_s = wait_all_healthy(list(self.servers.values()), s.engine_start_s, progress)
         routes: dict[str, dict[str, Any]] = {REFERENCE: {"kind": "direct", "decode": self.servers[REFERENCE].url}}
         for conn in s.connectors:
-            routes[conn] = {"kind": "pd", "prefill": self.servers[f"{conn}-prefill"].url,
-                            "decode": self.servers[f"{conn}-decode"].url,
+            pair = pair_of(conn)
+            routes[conn] = {"kind": "pd", "prefill": self.servers[f"{pair}-prefill"].url,
+                            "decode": self.servers[f"{pair}-decode"].url,
                             "prefill_params": {"do_remote_decode": True}}
+        if "kvxferd_layerwise" in s.connectors:
+            routes["kvxferd_layerwise"]["prefill_params"]["kvxfer_layerwise"] = True
+            # Both kvxferd routes: decode expects the room while prefill computes (else layer
+            # parts wait at the prefill daemon for the room's bootstrap and hide nothing).
+            where = f"{self.daemons['prefill'].peer_address}/{KVXFERD_PREFILL_GROUP}"
+            for conn in KVXFERD_ROUTES:
+                if conn in routes:
+                    routes[conn]["concurrent"] = where
         self.proxy = Proxy(self.workdir, routes)
         self.proxy.wait_ready()
         self.requests = request_mix(s.requests, s.min_prompt, s.max_prompt, s.block_size, s.model.vocab,
@@ -378,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
             "cpu_s": "user+system CPU seconds of each process tree during the point (servers include their "
                      "engine core process); _wall_s the point's wall time",
             "kv_bytes": "prompt tokens x KV bytes per token (what the connector must move)",
+            "concurrent": "with kvxferd_layerwise, both kvxferd routes send the decode leg with the prefill leg "
+                          "(the proxy draws the room, kvxfer_client.proxy --concurrent); routes.json in the logs",
             "tokens": "every request's generated token ids against the reference engine's, greedy",
             "medians": "per route and concurrency, the median over rounds of each point's figure",
             "frozen": "NIXL servers are frozen (SIGSTOP, both of a pair at once) while other routes run: idle, "

@@ -9,7 +9,10 @@ non-disaggregated reference, through the same hops). The prefill leg's wall time
 ``x-kvx-prefill-ms`` header.
 
 Run: ``python -m kvxferd.bench.engines_proxy --routes ROUTES.json --ready-file PATH``; ROUTES maps
-a route name to ``{"kind": "pd"|"direct", "prefill": URL, "decode": URL, "prefill_params": {...}}``.
+a route name to ``{"kind": "pd"|"direct", "prefill": URL, "decode": URL, "prefill_params": {...}}``, and for a
+route of KvxferdConnector engines ``"concurrent": "ADDR/GROUP"``: both legs at once, the room
+drawn here (``kvxfer_client.proxy --concurrent``); its prefill leg's time is then its own wall
+time, the decode leg running meanwhile.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvxfer_client.proxy import PREFILL_MS_HEADER, prefill_body
+from kvxfer_client.proxy import PREFILL_MS_HEADER, both_legs, concurrent_params, new_room, prefill_body
 
 
 async def serve(routes: dict[str, dict[str, Any]], ready_file: Path) -> None:
@@ -35,13 +38,31 @@ async def serve(routes: dict[str, dict[str, Any]], ready_file: Path) -> None:
     async def stream_from(request: web.Request, url: str, body: dict[str, Any],
                           headers: dict[str, str]) -> web.StreamResponse:
         async with session.post(f"{url}/v1/completions", json=body) as up:
-            resp = web.StreamResponse(status=up.status, headers={
-                **headers, "Content-Type": up.headers.get("Content-Type", "text/event-stream")})
-            await resp.prepare(request)
-            async for piece in up.content.iter_any():
-                await resp.write(piece)
-            await resp.write_eof()
-            return resp
+            return await stream(request, up, headers)
+
+    async def stream(request: web.Request, up: Any, headers: dict[str, str]) -> web.StreamResponse:
+        resp = web.StreamResponse(status=up.status, headers={
+            **headers, "Content-Type": up.headers.get("Content-Type", "text/event-stream")})
+        await resp.prepare(request)
+        async for piece in up.content.iter_any():
+            await resp.write(piece)
+        await resp.write_eof()
+        return resp
+
+    async def concurrent(request: web.Request, route: dict[str, Any], body: dict[str, Any]) -> web.StreamResponse:
+        """Both legs at once, the room drawn here (kvxfer_client.proxy --concurrent)."""
+        pre_params, dec_params = concurrent_params(new_room(), route["concurrent"])
+        t0 = time.monotonic()
+        _, reply, up = await both_legs(
+            session, f"{route['prefill']}/v1/completions",
+            prefill_body(body, {**route["prefill_params"], **pre_params}),
+            f"{route['decode']}/v1/completions", {**body, "kv_transfer_params": dec_params})
+        if up is None:
+            return web.json_response({"error": "prefill failed", "prefill": reply}, status=502)
+        try:
+            return await stream(request, up, {PREFILL_MS_HEADER: f"{(time.monotonic() - t0) * 1e3:.3f}"})
+        finally:
+            up.release()
 
     async def completions(request: web.Request) -> web.StreamResponse:
         route = routes.get(request.match_info["route"])
@@ -50,6 +71,8 @@ async def serve(routes: dict[str, dict[str, Any]], ready_file: Path) -> None:
         body = await request.json()
         if route["kind"] == "direct":
             return await stream_from(request, route["decode"], body, {})
+        if route.get("concurrent"):
+            return await concurrent(request, route, body)
         t0 = time.monotonic()
         async with session.post(f"{route['prefill']}/v1/completions",
                                 json=prefill_body(body, route["prefill_params"])) as pre:

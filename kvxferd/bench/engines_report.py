@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kvxferd.bench._common import fmt_bytes, percentile, ratio, target_check
-from kvxferd.bench.engines_servers import LABELS, REFERENCE
+from kvxferd.bench.engines_servers import LABELS, REFERENCE, pair_of
 
 # kvxferd against NixlConnector (pull) at these concurrencies: (figure, operator, limit on kvxferd / nixl).
 TARGET_CONCURRENCY = (4, 16)
@@ -34,8 +34,9 @@ def own_processes(route: str, names: Sequence[str]) -> list[str]:
     if route == REFERENCE:
         mine = [f"engine_{REFERENCE}"]
     else:
-        mine = [f"engine_{route}-prefill", f"engine_{route}-decode"]
-        if route == "kvxferd":
+        pair = pair_of(route)
+        mine = [f"engine_{pair}-prefill", f"engine_{pair}-decode"]
+        if pair == "kvxferd":
             mine += [n for n in names if n.startswith("daemon_")]
     return [n for n in names if n in mine or n == "proxy"]
 

@@ -24,7 +24,10 @@ from pathlib import Path
 from typing import Any
 
 # What a route is called in tables and files, and what it runs.
-CONNECTORS = ("kvxferd", "nixl", "nixl_1t", "nixl_push")
+CONNECTORS = ("kvxferd", "kvxferd_layerwise", "nixl", "nixl_1t", "nixl_push")
+# Routes served by the one kvxferd engine pair (and its daemons): kvxferd_layerwise is the same
+# engines asked per request (kv_transfer_params kvxfer_layerwise) to send layer parts.
+KVXFERD_ROUTES = ("kvxferd", "kvxferd_layerwise")
 # NixlPushConnector is not run by default: with vLLM 0.32's CPU build here the decode engine
 # handshakes with the prefill engine and registers its blocks, the prefill engine never writes, and
 # each request waits out push_registration_timeout (480 s), with or without --no-freeze.
@@ -33,6 +36,7 @@ DEFAULT_CONNECTORS = ("kvxferd", "nixl")
 REFERENCE = "reference"
 LABELS = {
     "kvxferd": "KvxferdConnector",
+    "kvxferd_layerwise": "KvxferdConnector (layer-wise)",
     "nixl": "NixlConnector (pull)",
     "nixl_1t": "NixlConnector (pull, 1 UCX thread)",
     "nixl_push": "NixlPushConnector",
@@ -77,6 +81,16 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+# The kvxferd prefill engine's group as its daemon knows it (KvxferdConnector's Settings.prefill_group
+# of transfer_config's group): what a decode leg sent before the prefill answers must name.
+KVXFERD_PREFILL_GROUP = "bench-prefill-prefill"
+
+
+def pair_of(route: str) -> str:
+    """The name of the server pair (and of its daemons' routes) that serves `route`."""
+    return "kvxferd" if route in KVXFERD_ROUTES else route
 
 
 def transfer_config(connector: str, role: str, daemon_socket: str) -> tuple[dict[str, Any], dict[str, str]]:
