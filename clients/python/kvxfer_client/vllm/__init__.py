@@ -175,6 +175,12 @@ class KvxferdConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         return self._scheduler.request_finished(request)
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # Layer hooks do not run inside a captured full graph (a layer-wise chunk would then go
+        # whole at the step's end: correct, but nothing streamed).
+        return bool(extra_config.get("layerwise"))
+
     # ---------------------------------------------------------------- worker side
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         from vllm.distributed.parallel_state import (
