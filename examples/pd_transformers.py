@@ -361,7 +361,7 @@ def ring_bytes_for(spec: Spec, dtype: str, local_heads: int) -> int:
 
 def prefill_rank(spec: Spec, rank: int, results: Any, go: Any = None) -> None:
     try:
-        results.put(("done", "prefill", rank, _prefill_rank(spec, rank, go), None))
+        results.put(("done", "prefill", rank, _prefill_rank(spec, rank, go, results), None))
     except BaseException:
         results.put(("done", "prefill", rank, {}, traceback.format_exc()))
 
@@ -385,7 +385,7 @@ def prefill_order(spec: Spec) -> list[tuple[Room, int]]:
     return [(room, c) for c in range(steps) for room in spec.rooms if c < len(spec.chunks(room))]
 
 
-def _prefill_rank(spec: Spec, rank: int, go: Any) -> dict[str, Any]:
+def _prefill_rank(spec: Spec, rank: int, go: Any, results: Any) -> dict[str, Any]:
     from kvxfer_client import PrefillSender
     from kvxfer_protocol.slot_layout import rank_heads
 
@@ -414,6 +414,7 @@ def _prefill_rank(spec: Spec, rank: int, go: Any) -> dict[str, Any]:
             engines[dt] = (model, tx, pool, stream)
         caches: dict[tuple[str, int], Any] = {}
         pages: dict[tuple[str, int], torch.Tensor] = {}
+        states: dict[str, str] = {}
         with torch.inference_mode():
             for room, c in prefill_order(spec):
                 mode = spec.mode(room)
@@ -434,6 +435,8 @@ def _prefill_rank(spec: Spec, rank: int, go: Any) -> dict[str, Any]:
                     nxt = prefill_chunk(model, cache, room.prompt, start, end)  # its argmax syncs a GPU
                     if last:
                         timing[f"{dt}:{room.index}"]["t_compute"] = time.monotonic()
+                        # Sent at once: a rank that fails later still leaves its rooms' timing.
+                        results.put(("t", "prefill", rank, f"{dt}:{room.index}", timing[f"{dt}:{room.index}"]))
                     aux = nxt.to_bytes(4, "little") if last else b""
                     if mode == "layerwise":
                         stream.end(last, aux)
@@ -461,16 +464,20 @@ def _prefill_rank(spec: Spec, rank: int, go: Any) -> dict[str, Any]:
                         raise RuntimeError(f"prefill rank {rank}: room {room.index} done, the driver said {got}")
                     for dt in spec.dtypes:
                         engines[dt][2].free_pages(pages.pop((dt, room.index)))
+                        # Settled now: a daemon forgets a finished room after a while, so a wait
+                        # at the end of a long run could find it gone.
+                        rid = spec.room_id(dt, room)
+                        states[str(rid)] = engines[dt][1].wait(rid, timeout=spec.timeout, poll_s=0.01).state.name
+                        engines[dt][1].release(rid)
         refusals: list[str] = []
-        states: dict[str, str] = {}
         for dt in spec.dtypes:
             _, tx, _, stream = engines[dt]
             if stream is not None:
                 refusals += stream.drain()
             for room in spec.rooms:
-                if spec.mode(room) == "compute":
-                    continue
                 rid = spec.room_id(dt, room)
+                if spec.mode(room) == "compute" or str(rid) in states:
+                    continue
                 states[str(rid)] = tx.wait(rid, timeout=spec.timeout, poll_s=0.01).state.name
                 tx.release(rid)
         if refusals:
@@ -800,6 +807,7 @@ def run(spec: Spec, daemons: OwnDaemons | None = None) -> dict[str, Any]:
     rows: dict[tuple[str, int], dict[str, Any]] = {}
     stats: dict[tuple[str, int], dict[str, Any]] = {}
     held: dict[tuple[str, int], float] = {}
+    early_timing: dict[int, dict[str, dict[str, float]]] = {}  # prefill rank -> room key -> times
     errors: list[str] = []
     gone_since: dict[tuple[str, int], float] = {}
     deadline = time.monotonic() + spec.timeout + 30
@@ -816,6 +824,10 @@ def run(spec: Spec, daemons: OwnDaemons | None = None) -> dict[str, Any]:
                         errors.append(f"{key[0]} rank {key[1]} exited with {p.exitcode} and no report")
                 if now > deadline:
                     errors.append(f"run not finished after {spec.timeout + 30:.0f} s")
+                continue
+            if msg[0] == "t":
+                _, role, rank, key, t = msg
+                early_timing.setdefault(rank, {})[key] = t
                 continue
             if msg[0] == "kv":
                 _, dtype, index, rank, data, aux, t_held = msg
@@ -845,6 +857,9 @@ def run(spec: Spec, daemons: OwnDaemons | None = None) -> dict[str, Any]:
     ordered = [rows[(dt, r.index)] for dt in spec.dtypes for r in spec.rooms if (dt, r.index) in rows]
     sent = [r for r in spec.rooms if spec.mode(r) != "compute"]
     complete = len(ordered) == len(spec.dtypes) * len(sent)
+    for (role, rank), st in stats.items():
+        if role == "prefill" and not st.get("timing"):  # a rank that failed after its rooms
+            st["timing"] = early_timing.get(rank, {})
     timed = room_timing(spec, rows, held, stats) if spec.timing else []
     first = next((r for r in ordered if not r["tokens_match"]), None)
     tokens_match = complete and first is None
