@@ -40,6 +40,7 @@ from kvxferd.peer.wire import BATCH, FRAME
 from tests.conftest import DaemonProc
 from tests.faults.harness import launch, wait_until
 from tests.peer_client import LAYOUT, Wire, closed_port, one_room, peer_streams, running
+from tests.readiness import budget
 
 NOFILE = 1024
 # Runs the daemon's command line with RLIMIT_NOFILE (soft and hard) at NOFILE.
@@ -176,8 +177,9 @@ def test_pipelined_lane_calls_do_not_stall_another_client(fleet: dict[str, Daemo
     waited = time.monotonic() - t1
     assert _replies(busy, n) == [0] * n
     total = time.monotonic() - t0
-    # Before: the other client waited for the whole pipeline (`total`); now for a turn of it.
-    assert waited < 1.0 and waited < total / 4, (waited, total)
+    # Before: the other client waited for the whole pipeline (`total`); now for a turn of it. The
+    # absolute bound scales with load (a turn took 2.1 s of a 14 s pipeline at load 13); the ratio holds.
+    assert waited < budget(1.0) and waited < total / 4, (waited, total)
     busy.close()
     other.close()
 
