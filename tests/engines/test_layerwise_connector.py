@@ -1,11 +1,12 @@
 """The vLLM connector's layer-wise sends (kvxfer_client.vllm._layers, issue #37) between two real
 daemons, without a vLLM engine: the prefill worker takes slots before the forward, each layer
 hook sends the groups it completes (before the step's end), the step's end sends what no hook
-did and seals the room; the decode worker scatters the group-major chunks into its own blocks
-(skipping the tokens it holds already). Every element of both caches is compared."""
+did and seals the room; the decode worker scatters each group of a chunk into its own blocks as
+it lands (skipping the tokens it holds already). Every element of both caches is compared."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from kvxfer_client.vllm._config import LoadSpec, SendChunk, Settings, StepPlan
 from kvxfer_client.vllm._layers import group_size
 from kvxfer_client.vllm._worker import ConnectorWorker
 from tests.engines.test_vllm_worker import LAYERS, _shape, _tokens, _wait_loaded
+from tests.readiness import budget
 
 
 def test_auto_group_size() -> None:
@@ -50,7 +52,13 @@ def test_layer_parts_from_the_hooks_land_every_byte(daemons: Any) -> None:
         # Step 1: chunk 0, a layer a group, every layer's hook runs.
         step1 = StepPlan(sends=[SendChunk("r1", room, 0, 0, 20, False, src, 0, layerwise=True, layer_group=1)])
         tx.start_loads(step1)
-        for i in range(LAYERS):
+        tx.save_layer("l0")
+        # The decode worker scatters layer 0 as soon as it lands, before the chunk's other layers exist.
+        deadline = time.monotonic() + budget(30.0)
+        while rx._loads[room].groups_done.get(0) != {0}:
+            assert time.monotonic() < deadline, "layer 0 of chunk 0 was not scattered on its own"
+            time.sleep(0.01)
+        for i in range(1, LAYERS):
             tx.save_layer(f"l{i}")
         # Sent from the hooks, at each group's last layer, before the step's end.
         assert calls == [[(0, 0, 1)], [(0, 1, 2)]]

@@ -163,17 +163,21 @@ class LayerSends:
             self._open = [o for o in self._open if o not in owners]
 
 
-def scatter_chunk(shape: CacheShape, src: torch.Tensor, c: Landed, block_ids: tuple[int, ...], lo: int) -> None:
-    """A complete group-major chunk (``c.layer_group`` layers a group) into the request's blocks,
+def scatter_chunk(shape: CacheShape, src: torch.Tensor, c: Landed, block_ids: tuple[int, ...], lo: int,
+                  layers: tuple[int, int], done: set[int]) -> None:
+    """The groups of layers ``layers`` of a group-major chunk (``c.layer_group`` layers a group)
+    not in ``done`` (their first layers; added as they are copied) into the request's blocks,
     tokens [lo, end) of it (tokens before ``lo`` the decode engine holds already)."""
     s = shape
-    n, layers = c.num_tokens, len(s.layers)
+    n, g = c.num_tokens, c.layer_group
     slot = src.view(s.dtype)
-    first = 0
-    while first < layers:
-        last = min(layers, first + c.layer_group)
+    start, end = layers[0] - layers[0] % g, min(layers[1], len(s.layers))
+    for first in range(start, end, g):
+        last = min(len(s.layers), first + g)
+        if first in done:
+            continue
+        done.add(first)
         grp = s.pages.group_view(slot, first, last, n)
         if lo > c.token_start:
             grp = grp.view(s.local_heads, last - first, 2, n, s.head_size)[:, :, :, lo - c.token_start:].contiguous()
         s.copy("scatter", grp, block_ids, 0, lo, c.token_start + n, kv=s.pages.layers(first, last))
-        first = last

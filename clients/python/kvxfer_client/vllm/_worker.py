@@ -62,6 +62,8 @@ class _Load:
     # The registration the room was expected with: its ring is the only one read for this load.
     rx: DecodeReceiver | None = None
     epoch: int = -1
+    # Layer-wise chunks: first layers of the groups scattered as they landed, per chunk id.
+    groups_done: dict[int, set[int]] = field(default_factory=dict)
 
 
 class ConnectorWorker:
@@ -248,7 +250,9 @@ class ConnectorWorker:
                 self._stop.wait(0.2)  # down: the healer brings it back (or a new registration)
                 continue
             try:
-                for batch in rx.watch().batches():
+                # layer_progress: layer-wise chunks' groups are scattered as they land, while the
+                # prefill still computes the later layers (complete chunks come as before).
+                for batch in rx.watch(layer_progress=True).batches():
                     self._events.put((epoch, batch))
                     if self._stop.is_set():
                         return
@@ -275,12 +279,16 @@ class ConnectorWorker:
             c = ev.landed
             if c is not None and c.chunk_id not in ld.done_chunks:
                 try:
-                    self._take(ld, c)
+                    if c.chunk_complete:
+                        self._take(ld, c)
+                    else:
+                        self._take_layers(ld, c)
                 except Exception as exc:
                     quiet(rx.abort, ev.room, f"decode load failed: {exc}")
                     self._finish(ld, str(exc))
                     continue
-                read.setdefault(ev.room, []).append(c.chunk_id)
+                if c.chunk_complete:
+                    read.setdefault(ev.room, []).append(c.chunk_id)
             if ev.state is RoomState.FAILED:
                 self._finish(ld, f"{ev.failure_code}: {ev.failure_reason}")
             elif ev.state is RoomState.SUCCESS:
@@ -338,7 +346,13 @@ class ConnectorWorker:
         ld.done_chunks.add(c.chunk_id)
         ld.tokens += c.num_tokens
 
-    def _scatter(self, ld: _Load, c: Landed) -> None:
+    def _take_layers(self, ld: _Load, c: Landed) -> None:
+        """Some layer groups of a chunk landed (not all yet): into the request's blocks now."""
+        if not ld.cancelled:
+            self._scatter(ld, c, c.layers(len(self.shape.layers)))
+
+    def _scatter(self, ld: _Load, c: Landed, layers: tuple[int, int] | None = None) -> None:
+        """A complete chunk (``layers`` None: its groups not scattered yet) or some of its layers."""
         s, spec, rx = self.shape, ld.spec, ld.rx
         assert rx is not None
         lo = max(c.token_start, spec.skip_tokens)
@@ -347,7 +361,10 @@ class ConnectorWorker:
             return
         src = rx.tensor(c.offset, c.chunk_bytes)
         if 0 < c.layer_group < len(s.layers):
-            scatter_chunk(s, src, c, spec.block_ids, lo)
+            done = ld.groups_done.setdefault(c.chunk_id, set())
+            scatter_chunk(s, src, c, spec.block_ids, lo, layers or (0, len(s.layers)), done)
+            if layers is None:
+                del ld.groups_done[c.chunk_id]
             return
         if lo > c.token_start:
             # Tokens the decode engine already holds (its prefix-cache hit) stay untouched; the copy
