@@ -6,6 +6,7 @@ Blocking: PrefillSender, DecodeReceiver. asyncio: AsyncPrefillSender, AsyncDecod
 
 from kvxfer_client._aio import AsyncDecodeReceiver, AsyncPrefillSender, async_daemon_status
 from kvxfer_client._channel import Tls, default_socket
+from kvxfer_client._parts import layer_part, seal_part
 from kvxfer_client._sync import DecodeReceiver, daemon_status
 from kvxfer_client._sync_prefill import PrefillSender
 from kvxfer_client.errors import ChunkRefused, KvxferError, RoomFailed
@@ -33,4 +34,6 @@ __all__ = [
     "async_daemon_status",
     "daemon_status",
     "default_socket",
+    "layer_part",
+    "seal_part",
 ]
