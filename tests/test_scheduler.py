@@ -165,6 +165,11 @@ def _counted(n: Node, event: str) -> float:
     return n.metrics.registry.get_sample_value("kvxferd_layer_parts_total", {"role": "prefill", "event": event}) or 0
 
 
+async def _turn() -> None:
+    """The rest of this loop turn: a chunk's later parts are posted at its end (Scheduler.submit_soon)."""
+    await asyncio.sleep(0)
+
+
 async def test_parts_post_group_runs_and_the_slot_and_complete_wait_for_every_layer_and_the_seal(
         prefill: tuple[Node, _Workers, _Link]) -> None:
     n, workers, peer = prefill
@@ -181,6 +186,8 @@ async def test_parts_post_group_runs_and_the_slot_and_complete_wait_for_every_la
     room = n.send.rooms[1]
     assert n.slots_held() == 1 and not peer.of("complete")  # layers [0, 2) are still to come
     n.enqueue_chunk(eng.id, _part(1, slot, 2, 0, 2))
+    assert not workers.jobs  # posted at the end of the turn, with any part of the chunk admitted meanwhile
+    await _turn()
     (job,) = workers.finish()
     assert job.pairs == ((base, 1 << 30, 2 * 4 * per_layer),) and _entries(job) == [(2, 0, 2)]
     # Every layer written: the source slot is back, but no Complete before the seal (aux exists
@@ -209,8 +216,26 @@ async def test_parts_that_queue_together_go_as_one_write_with_one_entry_per_cont
     assert hist == 3
     n.enqueue_chunk(eng.id, _part(2, slot, 1, 2, 3))
     n.enqueue_chunk(eng.id, _seal(2, group=1))
+    await _turn()
     (job,) = workers.finish()
     assert _entries(job) == [(1, 2, 3)] and peer.of("complete") == [(RoomKey(2), 0, 1, b"tok")]
+
+
+async def test_later_parts_admitted_in_one_turn_go_as_one_write(prefill: tuple[Node, _Workers, _Link]) -> None:
+    n, workers, peer = prefill
+    eng = _engine(n)
+    assert _boot(n, peer, 10) == 0
+    slot, _ = n.acquire_slot(eng.id, TOKENS)
+    n.enqueue_chunk(eng.id, _part(10, slot, 1, 0, 1))  # the first part brings the slot and goes at once
+    (first,) = workers.finish()
+    for lo in (3, 1, 2):  # one turn's parts (several lane frames read at once), out of order
+        n.enqueue_chunk(eng.id, _part(10, slot, 1, lo, lo + 1))
+    await _turn()
+    (job,) = workers.finish()
+    assert _entries(first) == [(1, 0, 1)] and _entries(job) == [(1, 1, 4)]  # one entry per contiguous range
+    hist = n.metrics.registry.get_sample_value
+    assert (hist("kvxferd_parts_per_write_count"), hist("kvxferd_parts_per_write_sum")) == (2, 4)
+    assert hist("kvxferd_parts_per_write_bucket", {"le": "2.0"}) == 1 and _counted(n, "written") == 4
 
 
 async def test_a_whole_chunk_is_a_kvx3_notification_and_one_descriptor(prefill: tuple[Node, _Workers, _Link]) -> None:
@@ -258,6 +283,7 @@ async def test_every_refused_part_changes_nothing(prefill: tuple[Node, _Workers,
     n.enqueue_chunk(eng.id, _seal(4))
     with pytest.raises(AlreadyExists, match="already sealed"):
         n.enqueue_chunk(eng.id, _seal(4))
+    await _turn()
     workers.finish()
     assert peer.of("complete") == [(RoomKey(4), 0, 1, b"tok")] and n.slots_held() == 0
     assert other.offset in eng.acquired  # the refused whole chunk left its slot with the engine
@@ -310,6 +336,7 @@ async def test_a_gqa_replica_writes_nothing_and_its_parts_count_as_written(
     assert not workers.jobs and n.slots_held() == 1  # half the layers: the slot stays
     n.enqueue_chunk(replica.id, _part(8, slot, 2, 2, 4))
     n.enqueue_chunk(replica.id, _seal(8))
+    await _turn()
     chunk = n.send.rooms[8].writers[1].chunks[0]
     assert not workers.jobs and n.slots_held() == 0 and chunk.done
     assert not peer.of("complete")  # the other seven ranks have sent nothing yet

@@ -163,6 +163,8 @@ class SendRoom(RoomBase):
         """Why this room may not take layer parts, or "": a reader bootstrapped without opting in.
         Readers not bootstrapped yet are not known: parts wait for them like whole chunks, and the
         check runs again once they bootstrap."""
+        if self.readers <= self.layer_readers:  # checked per part: no set built, nothing sorted
+            return ""
         for r in sorted(self.readers - self.layer_readers):
             return f"decode rank {r} of room {self.key} takes no layer parts (engine or daemon older than protocol 1.1)"
         return ""

@@ -24,7 +24,7 @@ from typing import Literal
 
 from kvxfer_protocol.limits import MAX_LAYERS
 from kvxferd.core.peer_port import Link
-from kvxferd.core.types import ChunkSpec, RoomKey
+from kvxferd.core.types import ChunkSpec, RoomKey, quick_init
 from kvxferd.ops.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -44,7 +44,8 @@ TOKEN_BYTES = 16
 LOG_EVERY_S = 1.0
 
 
-@dataclass(frozen=True)
+@quick_init  # built per entry of every notification the decode side takes in
+@dataclass(frozen=True, slots=True)
 class Notif:
     room: RoomKey
     chunk_id: int
@@ -90,9 +91,9 @@ def decode_notif(msg: bytes) -> Notif | None:
     if len(parts[11]) != 2 * TOKEN_BYTES:
         return None
     try:
-        rid, gen, chunk, writer, reader, tstart, ntok, last, credit, offset = (int(p) for p in parts[1:11])
+        rid, gen, chunk, writer, reader, tstart, ntok, last, credit, offset = map(int, parts[1:11])
         token = bytes.fromhex(parts[11].decode("ascii"))
-        group, start, end = (int(p) for p in parts[12:15]) if n == 15 else (0, 0, 0)
+        group, start, end = map(int, parts[12:15]) if n == 15 else (0, 0, 0)
     except ValueError:
         return None
     if min(rid, gen, chunk, writer, reader, tstart, ntok, credit, offset) < 0:

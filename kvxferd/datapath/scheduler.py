@@ -7,11 +7,14 @@ makes only the chunks bound for it wait; other rooms go on. The worker pool spre
 over its threads (see kvxferd.datapath.workers).
 A layer-wise chunk waits and goes the same way: its destination ranges are cut at its first part,
 sized for the whole chunk, and each post writes the layers queued since the last one (one WRITE,
-one notification entry per reader and contiguous layer range).
+one notification entry per reader and contiguous layer range). Later parts are posted at the end
+of the loop turn that admitted them (`submit_soon`): parts of one room that one turn admitted
+(several lane frames read at once) leave as one WRITE, and none waits past that turn.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import Callable, Sequence
@@ -56,7 +59,8 @@ class Scheduler:
         # Label children looked up once: labels() costs several µs and would run per chunk.
         self._write_seconds = {p: metrics.chunk_transfer.labels(path=p) for p in ("local", "nixl")}
         self._parts_written = metrics.layer_parts.labels(role="prefill", event="written")
-        self._parts_per_write = metrics.parts_per_write
+        self._parts_per_write = metrics.parts_per_write.labels()
+        self._soon: list[tuple[SendRoom, OutChunk]] = []
 
     # ------------------------------------------------------------------ admission
 
@@ -67,6 +71,22 @@ class Scheduler:
             room.pending.append(chunk)
         else:
             self._schedule(room, chunk)
+
+    def submit_soon(self, room: SendRoom, chunk: OutChunk) -> None:
+        """A later part of a layer-wise chunk: posted once this loop turn's other callbacks ran,
+        with every part of the chunk admitted meanwhile (LayerMask.add leaves it queued)."""
+        if not self._soon:
+            try:
+                asyncio.get_running_loop().call_soon(self._flush_soon)
+            except RuntimeError:  # no loop (a synchronous caller): nothing to wait for
+                self.submit(room, chunk)
+                return
+        self._soon.append((room, chunk))
+
+    def _flush_soon(self) -> None:
+        soon, self._soon = self._soon, []
+        for room, chunk in soon:
+            self.submit(room, chunk)
 
     def room_ready(self, room: SendRoom) -> None:
         """Every reader bootstrapped: the chunks that were enqueued before go."""

@@ -44,6 +44,7 @@ class SendSide:
         self.rooms: dict[int, SendRoom] = {}
         self.scheduler: Scheduler  # set by the node once the workers exist
         self._tombstones = Tombstones()
+        self._part_events = {e: metrics.layer_parts.labels("prefill", e) for e in ("enqueued", "sealed", "refused")}
 
     # ------------------------------------------------------------------ rooms
 
@@ -146,7 +147,7 @@ class SendSide:
             self._enqueue(eng, key, chunk, prior)
         except KvxferError:
             if chunk.is_part:
-                self.metrics.layer_parts.labels(role="prefill", event="refused").inc()
+                self._part_events["refused"].inc()
             raise
 
     def _enqueue(self, eng: Engine, key: RoomKey, chunk: ChunkSpec, prior: OutChunk | None) -> None:
@@ -184,7 +185,7 @@ class SendSide:
         room.writers[rank] = w
         eng.send_rooms.add(key.id)
         if chunk.is_part:
-            self.metrics.layer_parts.labels(role="prefill", event="sealed" if chunk.is_seal else "enqueued").inc()
+            self._part_events["sealed" if chunk.is_seal else "enqueued"].inc()
             if prior is not None:
                 self._next_part(room, w, chunk, prior)
                 return
@@ -222,7 +223,7 @@ class SendSide:
             else:
                 self._maybe_complete(room)  # every layer may have been written before the seal
         elif out.layers.add(chunk.layer_start, chunk.layer_end):
-            self.scheduler.submit(room, out)
+            self.scheduler.submit_soon(room, out)
         self.refresh()
 
     # ------------------------------------------------------------------ bootstrap from a decode daemon

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import bisect
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -14,6 +17,7 @@ from prometheus_client import (
     Info,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
 from kvxferd import __version__
 
@@ -21,6 +25,7 @@ _LATENCY_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )
 _TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_C = TypeVar("_C")
 # The `peer` label of peers past the cap (config max_peer_series). Parenthesised: not a HOST:PORT.
 OTHER_PEERS = "(other)"
 
@@ -66,6 +71,104 @@ class PeerSeries:
             key[0].remove(peer, *key[2])
 
 
+class Tally:
+    """A label child of a PlainCounter: a plain integer. Prometheus's own inc() takes a lock and
+    builds a sample; per layer part that was ~16 % of the prefill loop (issue #37)."""
+
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def inc(self, amount: int = 1) -> None:
+        self.n += amount
+
+
+class _Plain(Generic[_C]):
+    """Label children made by `make`, looked up like prometheus_client's (labels, remove), exported
+    by the subclass's collect when scraped. Written on the event loop; a scrape from another thread
+    may see a count a moment old, never a lost one."""
+
+    def __init__(self, name: str, doc: str, labelnames: list[str], registry: CollectorRegistry,
+                 make: Callable[[], _C]) -> None:
+        self._name, self._doc, self._labelnames, self._make = name, doc, labelnames, make
+        self._children: dict[tuple[str, ...], _C] = {}
+        registry.register(self)
+
+    def labels(self, *values: str, **named: str) -> _C:
+        key = values or tuple(named[n] for n in self._labelnames)
+        got = self._children.get(key)
+        if got is None:
+            got = self._children[key] = self._make()
+        return got
+
+    def remove(self, *values: str) -> None:
+        self._children.pop(values, None)
+
+    def collect(self) -> Iterator[Metric]:
+        raise NotImplementedError
+
+
+class PlainCounter(_Plain[Tally]):
+    """A counter with the same name, labels and samples as a prometheus_client Counter, counted
+    in plain integers and read only when scraped."""
+
+    def __init__(self, name: str, doc: str, labelnames: list[str], registry: CollectorRegistry) -> None:
+        super().__init__(name, doc, labelnames, registry, Tally)
+
+    def describe(self) -> list[Metric]:
+        return [CounterMetricFamily(self._name, self._doc, labels=self._labelnames)]
+
+    def collect(self) -> Iterator[Metric]:
+        fam = CounterMetricFamily(self._name, self._doc, labels=self._labelnames)
+        for key, child in list(self._children.items()):
+            fam.add_metric(list(key), child.n)
+        yield fam
+
+
+class Buckets:
+    """A label child of a PlainHistogram: counts per bucket and a sum, no lock."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1  # le: a value on a bound counts in it
+        self.sum += value
+
+
+class PlainHistogram(_Plain[Buckets]):
+    """A histogram exported like a prometheus_client Histogram (buckets, _count, _sum), observed
+    without a lock (see PlainCounter)."""
+
+    def __init__(self, name: str, doc: str, labelnames: list[str], buckets: tuple[float, ...],
+                 registry: CollectorRegistry) -> None:
+        self._bounds = tuple(float(b) for b in buckets)
+        super().__init__(name, doc, labelnames, registry, functools.partial(Buckets, self._bounds))
+
+    def observe(self, value: float) -> None:
+        """For a histogram without labels."""
+        self.labels().observe(value)
+
+    def describe(self) -> list[Metric]:
+        return [HistogramMetricFamily(self._name, self._doc, labels=self._labelnames)]
+
+    def collect(self) -> Iterator[Metric]:
+        fam = HistogramMetricFamily(self._name, self._doc, labels=self._labelnames)
+        for key, child in list(self._children.items()):
+            counts, total = list(child.counts), child.sum
+            cumulative, running = [], 0
+            for bound, n in zip((*(repr(b) for b in self._bounds), "+Inf"), counts, strict=True):
+                running += n
+                cumulative.append((bound, running))
+            fam.add_metric(list(key), cumulative, total)
+        yield fam
+
+
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -84,7 +187,8 @@ class Metrics:
             "kvxferd_room_duration_seconds", "Room start to SUCCESS", ["role"], buckets=_TRANSFER_BUCKETS,
             registry=r,
         )
-        self.chunk_transfer = Histogram(
+        # Observed per WRITE (per layer part when parts do not merge): read at scrape time.
+        self.chunk_transfer = PlainHistogram(
             "kvxferd_chunk_transfer_seconds", "One WRITE (a chunk's parts for one daemon) from post to DONE", ["path"],
             buckets=_TRANSFER_BUCKETS, registry=r,
         )
@@ -92,7 +196,7 @@ class Metrics:
         self.ring_capacity = Gauge("kvxferd_ring_capacity_bytes", "Ring size", ["ring"], registry=r)
         self.ring_used = Gauge("kvxferd_ring_used_bytes", "Ring bytes held by slots", ["ring"], registry=r)
         self.slots_held = Gauge("kvxferd_slots_held", "Slots reserved in all rings", registry=r)
-        self.transfer_bytes = Counter(
+        self.transfer_bytes = PlainCounter(
             "kvxferd_transfer_bytes", "Bytes written to peers, by path: nixl, or on this daemon local (host), "
             "local-gpu (one GPU), local-p2p (GPU to GPU, peer access), local-staged (GPU to GPU through host), "
             "local-host-gpu", ["peer", "path"], registry=r
@@ -141,13 +245,14 @@ class Metrics:
         )
         # Layer parts (docs/design/layerwise.md): role prefill (event enqueued, refused, written,
         # sealed) and decode (landed, duplicate); parts_per_write shows how much merging saves.
-        self.layer_parts = Counter(
+        # Counted per part: plain integers read at scrape time (PlainCounter).
+        self.layer_parts = PlainCounter(
             "kvxferd_layer_parts", "Layer parts of chunks by role and event (prefill: enqueued, refused, "
             "written, sealed; decode: landed, duplicate)", ["role", "event"], registry=r,
         )
-        self.parts_per_write = Histogram(
+        self.parts_per_write = PlainHistogram(
             "kvxferd_parts_per_write", "Layer parts one NIXL WRITE carries (merged adjacent parts of a room)",
-            buckets=(1, 2, 4, 8, 16, 32, 64), registry=r,
+            [], buckets=(1, 2, 4, 8, 16, 32, 64), registry=r,
         )
         # Caps on what callers can make the daemon hold (kvxferd.core.caps); per-caller caps report the
         # caller closest to its limit.
