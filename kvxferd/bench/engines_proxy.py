@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvxfer_client.proxy import PREFILL_MS_HEADER, both_legs, concurrent_params, new_room, prefill_body
+from kvxfer_client.proxy import KEEPALIVE_S, PREFILL_MS_HEADER, both_legs, concurrent_params, new_room, prefill_body
 
 
 async def serve(routes: dict[str, dict[str, Any]], ready_file: Path) -> None:
@@ -33,7 +33,8 @@ async def serve(routes: dict[str, dict[str, Any]], ready_file: Path) -> None:
     from aiohttp import web
 
     # No connection cap: the bench's concurrency is the client's, not a pool's.
-    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None))
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
+                                    timeout=aiohttp.ClientTimeout(total=None))
 
     async def stream_from(request: web.Request, url: str, body: dict[str, Any],
                           headers: dict[str, str]) -> web.StreamResponse:

@@ -41,6 +41,10 @@ logger = logging.getLogger(__name__)
 
 # The prefill leg's wall time (ms), on every response: where a slow request spent its time.
 PREFILL_MS_HEADER = "x-kvx-prefill-ms"
+# Idle upstream connections are reused for at most this long: vLLM's server (uvicorn) closes an
+# idle keep-alive connection after 5 s, and a request sent on one as it closes fails with
+# ServerDisconnectedError (seen once in 288 concurrent-leg requests of bench engines).
+KEEPALIVE_S = 3.0
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -121,7 +125,7 @@ async def serve(servers: Servers, host: str, port: int, started: asyncio.Event |
     from aiohttp import web
 
     # No connection cap: concurrency is the clients', not a pool's.
-    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
                                     timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
     turn = servers.pairs()
 
