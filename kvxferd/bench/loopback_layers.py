@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+import traceback
 import urllib.request
 from collections.abc import Callable
 from dataclasses import replace
@@ -265,8 +266,6 @@ def run(parts: int, rounds: int, quick: bool, workers: int, point_bytes: int, in
         bench.warm(lambda m: con.print(f"  {m}"))
         bench.run_rounds(rounds, lambda m: con.print(f"  {m}"))
     except Exception:
-        import traceback
-
         bench.failures.append(traceback.format_exc())
         con.print_exception()
         rc = 1

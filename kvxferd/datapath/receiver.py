@@ -13,6 +13,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any, Literal
 
+from kvxfer_protocol.limits import MAX_AUX_BYTES, MAX_CHUNK_ID
 from kvxfer_protocol.slot_layout import part_bytes, plan
 from kvxferd.buffers.host_pool import Watermark
 from kvxferd.config import Config, _valid_hostport
@@ -22,12 +23,12 @@ from kvxferd.core.peer_port import BootstrapAnswer, BootstrapMsg, Link
 from kvxferd.core.room_events import EventHub, RoomClock, count_finished, deadline_reason
 from kvxferd.core.rooms import InSlot, ReaderState, RecvRoom, RoomBase, abort_unseen
 from kvxferd.core.types import FailureCode, Role, RoomKey, RoomState, ZeroCopyTarget
+from kvxferd.datapath.admission import layouts_compatible
 from kvxferd.datapath.credits import CreditLedger
 from kvxferd.datapath.fence import PageFence
 from kvxferd.datapath.landing import ChunkLanding, LayerMismatch
 from kvxferd.datapath.notif import NO_CREDIT, Notif, NotifDrops, from_writers
 from kvxferd.datapath.ranges import let_go, release_all
-from kvxferd.datapath.sender import MAX_AUX_BYTES, MAX_CHUNK_ID, layouts_compatible
 from kvxferd.errors import AlreadyExists, FailedPrecondition, InvalidArgument, KvxferError, NotFound, PermissionDenied
 from kvxferd.fleet.registry import NoRegistry, Registry
 from kvxferd.ops.metrics import Metrics

@@ -191,14 +191,13 @@ class Scheduler:
             assert r is not None
             return r
 
-        layers: Sequence[tuple[int, int]] = _WHOLE
-        bits = nparts = 0
+        taken = self._take_layers(chunk)
+        if taken is None:
+            return
+        layers, bits, nparts = taken
         runs: SliceRuns | None = None
-        if chunk.layers is not None:
-            bits, nparts = chunk.layers.take()
-            if not bits:  # posted already, with the parts that queued beside it
-                return
-            layers = ranges_of(bits)
+        if bits:
+            assert chunk.layers is not None
             runs = layer_runs(room.layout, spec.num_tokens, chunk.layers.group, layers, room.prefill_tp,
                               room.decode_tp or 0)
         try:
@@ -216,17 +215,15 @@ class Scheduler:
         jobs = []
         for w in writes:
             ranges = [r for _, r in w.parts]
-            if runs is None:  # a whole chunk: one entry per reader
-                entries = [encode_notif(room.key, spec, s.writer, s.reader, r.held.spec.id, r.offset,
-                                        token=room.notif_token) for s, r in w.parts]
-            else:
-                entries = [encode_notif(room.key, spec, s.writer, s.reader, r.held.spec.id, r.offset,
-                                        token=room.notif_token, layers=lay) for s, r in w.parts for lay in layers]
-                if len(entries) > MAX_PARTS:
-                    self._fail(room, FailureCode.MISMATCH, f"chunk {cid}: {len(entries)} notification entries in "
-                               f"one WRITE, over {MAX_PARTS}: send its layers in fewer ranges")
-                    self._chunk_done(room, chunk)
-                    return
+            # One entry per reader, and per contiguous layer range of a layer-wise chunk.
+            entries = [encode_notif(room.key, spec, s.writer, s.reader, r.held.spec.id, r.offset,
+                                    token=room.notif_token, layers=lay if bits else None)
+                       for s, r in w.parts for lay in layers]
+            if bits and len(entries) > MAX_PARTS:
+                self._fail(room, FailureCode.MISMATCH, f"chunk {cid}: {len(entries)} notification entries in "
+                           f"one WRITE, over {MAX_PARTS}: send its layers in fewer ranges")
+                self._chunk_done(room, chunk)
+                return
             jobs.append(by_ipc(TransferJob(
                 remote="" if peer.is_self else peer.agent_name, pairs=w.pairs, notif=join_notifs(entries),
                 on_done=self._on_done, local_mem=ring.mem, remote_mem=w.mem, local_device=ring.device,
@@ -244,13 +241,10 @@ class Scheduler:
         spec = chunk.spec
         eng = chunk.engine
         src = PagePlan(spec.token_start, spec.num_tokens, spec.pages, eng.ring.base_addr, eng.pool_slots)
-        layers: Sequence[tuple[int, int]] = _WHOLE
-        bits = nparts = 0
-        if chunk.layers is not None:
-            bits, nparts = chunk.layers.take()
-            if not bits:
-                return
-            layers = ranges_of(bits)
+        taken = self._take_layers(chunk)
+        if taken is None:
+            return
+        layers, bits, nparts = taken
         jobs = []
         for s in slices:
             target = room.zc_targets.get(s.reader)
@@ -271,6 +265,16 @@ class Scheduler:
             ))
             nparts = 0
         self._submit(room, chunk, jobs)
+
+    @staticmethod
+    def _take_layers(chunk: OutChunk) -> tuple[Sequence[tuple[int, int]], int, int] | None:
+        """What this post writes: a whole chunk's layers (bits 0), or the layer ranges queued since the
+        last post with their bits and part count; None if an earlier post took them already (they
+        queued beside it)."""
+        if chunk.layers is None:
+            return _WHOLE, 0, 0
+        bits, nparts = chunk.layers.take()
+        return (ranges_of(bits), bits, nparts) if bits else None
 
     def _submit(self, room: SendRoom, chunk: OutChunk, jobs: list[TransferJob]) -> None:
         # += : a layer-wise chunk's earlier posts may still be in flight.

@@ -21,7 +21,6 @@ from kvxferd.core.room_events import EventHub, RoomClock, count_finished, deadli
 from kvxferd.core.rooms import OutChunk, RoomBase, SendRoom, WriterState
 from kvxferd.core.types import ChunkSpec, FailureCode, Role, RoomKey, RoomState, ZeroCopyTarget
 from kvxferd.datapath.admission import check_group, check_part_joins, check_reader
-from kvxferd.datapath.admission import layouts_compatible as layouts_compatible  # receiver's, from here
 from kvxferd.datapath.notif import TOKEN_BYTES
 from kvxferd.datapath.parts import missing_layers, new_mask
 from kvxferd.datapath.scheduler import Scheduler
