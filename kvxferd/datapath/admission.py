@@ -68,7 +68,10 @@ def check_part_joins(room: SendRoom, rank: int, chunk: ChunkSpec, prior: OutChun
     if prior is not None and prior.layers is None:
         raise AlreadyExists(f"room {room.key}: chunk {chunk.chunk_id} was already enqueued whole by rank {rank}")
     check_layer_part(chunk, room.layout.num_layers, None if prior is None else prior.layers, rank)
-    check_group(room, chunk)
+    if prior is None:
+        # A later part's group was just checked against its first part's, and every writer's first
+        # part (or whole chunk) was checked against the writers before it: the groups agree.
+        check_group(room, chunk)
     why = room.layer_parts_refusal()
     if why:
         raise FailedPrecondition(why)

@@ -14,6 +14,7 @@ layer_end; a whole chunk stays a kvx3 entry (byte-identical to 1.0), which means
 
 from __future__ import annotations
 
+import binascii
 import hmac
 import logging
 import secrets
@@ -73,14 +74,30 @@ def encode_notif(key: RoomKey, spec: ChunkSpec, writer: int, reader: int, credit
                  offset: int = 0, *, token: bytes, layers: tuple[int, int] | None = None) -> bytes:
     """`token`: the room's, from its Bootstrap. `layers`: the [start, end) this entry reports when
     it is not the spec's own (merged adjacent parts of one chunk); a whole chunk is a kvx3 entry."""
-    head = b"%d %d %d %d %d %d %d %d %d %d %s" % (
-        key.id, key.generation, spec.chunk_id, writer, reader, spec.token_start, spec.num_tokens,
-        int(spec.last), credit_id, offset, token.hex().encode(),
-    )
+    head = _head(key, spec, writer, reader, credit_id, offset, token)
     if not spec.layer_group and not spec.layer_end:
         return NOTIF_PREFIX + b" " + head
     start, end = layers if layers is not None else (spec.layer_start, spec.layer_end)
-    return b"%s %s %d %d %d" % (PART_PREFIX, head, spec.layer_group, start, end)
+    return part_entry(PART_PREFIX + b" " + head, spec.layer_group, start, end)
+
+
+def _head(key: RoomKey, spec: ChunkSpec, writer: int, reader: int, credit_id: int, offset: int, token: bytes) -> bytes:
+    return b"%d %d %d %d %d %d %d %d %d %d %s" % (
+        key.id, key.generation, spec.chunk_id, writer, reader, spec.token_start, spec.num_tokens,
+        int(spec.last), credit_id, offset, token.hex().encode(),
+    )
+
+
+def part_head(key: RoomKey, spec: ChunkSpec, writer: int, reader: int, credit_id: int, offset: int, *,
+              token: bytes) -> bytes:
+    """The kvx4 entry of a layer-wise chunk's (writer, reader) up to its layer fields: the same for
+    every part, so the scheduler builds it once a chunk and adds each part's layers (part_entry)."""
+    return PART_PREFIX + b" " + _head(key, spec, writer, reader, credit_id, offset, token)
+
+
+def part_entry(head: bytes, layer_group: int, start: int, end: int) -> bytes:
+    """A kvx4 entry: `head` (part_head) and the layers [start, end) of groups of `layer_group`."""
+    return b"%s %d %d %d" % (head, layer_group, start, end)
 
 
 def decode_notif(msg: bytes) -> Notif | None:
@@ -92,7 +109,9 @@ def decode_notif(msg: bytes) -> Notif | None:
         return None
     try:
         rid, gen, chunk, writer, reader, tstart, ntok, last, credit, offset = map(int, parts[1:11])
-        token = bytes.fromhex(parts[11].decode("ascii"))
+        # unhexlify takes the bytes as they are (bytes.fromhex wants a str: a decode per entry);
+        # it refuses non-hex digits as fromhex does (binascii.Error is a ValueError).
+        token = binascii.unhexlify(parts[11])
         group, start, end = map(int, parts[12:15]) if n == 15 else (0, 0, 0)
     except ValueError:
         return None

@@ -12,6 +12,7 @@ bootstrap or credits leave as one WRITE.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from kvxfer_protocol.slot_layout import check_part, group_of
 from kvxferd.core.types import ChunkSpec
@@ -51,6 +52,8 @@ class LayerMask:
     todo_parts: int = 0  # the parts those layers came in (kvxferd_parts_per_write)
     written: int = 0
     sealed: bool = False
+    # The scheduler's plan of this chunk's WRITEs, made at its first post (Scheduler._part_posts).
+    posts: Any = None
 
     @property
     def complete(self) -> bool:
@@ -99,15 +102,18 @@ def check_layer_part(chunk: ChunkSpec, num_layers: int, mask: LayerMask | None, 
         return
     first = mask.first
     group = group_of(num_layers, chunk.layer_group)
-    differs = [name for name, same in (
-        ("layer_group", group == mask.group),
-        ("token range", (chunk.token_start, chunk.num_tokens) == (first.token_start, first.num_tokens)),
-        ("slot", chunk.is_seal or (chunk.slot, chunk.claim, chunk.pages) == (first.slot, first.claim, first.pages)),
-    ) if not same]
-    if differs:
+    seal = chunk.is_seal
+    # Per part on the prefill loop: plain comparisons first, the list of differences only for a refusal.
+    if not (group == mask.group and chunk.token_start == first.token_start and chunk.num_tokens == first.num_tokens
+            and (seal or (chunk.slot == first.slot and chunk.claim == first.claim and chunk.pages == first.pages))):
+        differs = [name for name, same in (
+            ("layer_group", group == mask.group),
+            ("token range", (chunk.token_start, chunk.num_tokens) == (first.token_start, first.num_tokens)),
+            ("slot", seal or (chunk.slot, chunk.claim, chunk.pages) == (first.slot, first.claim, first.pages)),
+        ) if not same]
         raise InvalidArgument(f"room {chunk.room}: a part of chunk {cid} differs from its first part in "
                               f"{', '.join(differs)}")
-    if not chunk.is_seal and mask.enqueued & layer_bits(chunk.layer_start, chunk.layer_end):
+    if not seal and mask.enqueued & layer_bits(chunk.layer_start, chunk.layer_end):
         raise AlreadyExists(f"room {chunk.room}: layers of [{chunk.layer_start}, {chunk.layer_end}) of chunk {cid} "
                             f"were already enqueued by rank {writer}")
 

@@ -19,21 +19,55 @@ import functools
 import logging
 from collections.abc import Callable, Sequence
 
-from kvxfer_protocol.slot_layout import HeadSlice, bytes_per_head, part_bytes
+from kvxfer_protocol.slot_layout import HeadSlice, bytes_per_head, layer_bytes, part_bytes, part_runs, rank_heads
 from kvxferd.core.peer_port import Link
 from kvxferd.core.rooms import Dest, OutChunk, SendRoom
 from kvxferd.core.types import FailureCode
 from kvxferd.datapath.credits import CreditWindow, HeldRange
-from kvxferd.datapath.notif import MAX_PARTS, encode_notif, join_notifs
+from kvxferd.datapath.notif import MAX_PARTS, encode_notif, join_notifs, part_entry, part_head
 from kvxferd.datapath.parts import ranges_of
 from kvxferd.datapath.workers import TransferJob, WorkerPool, by_ipc, transport_error
-from kvxferd.datapath.write_plan import PagePlan, PlanError, SliceRuns, layer_runs, plan_page_writes, plan_slot_writes
+from kvxferd.datapath.write_plan import PagePlan, PlanError, plan_page_writes, plan_slot_writes
 from kvxferd.ops.metrics import Metrics
 from kvxferd.transports.interface import XferState
 
 logger = logging.getLogger(__name__)
 
 _WHOLE = ((0, 0),)  # the layers of a whole chunk (write_plan's convention)
+
+# A reader's range, its runs for layers [lo, hi) (offsets in the writer's slot and the range), and
+# its notification entry's head; the WRITE of the slices whose ranges lie in one memory: its memory
+# kind, device, the chunk's layer_group field and those slices.
+_SlicePost = tuple[HeldRange, Callable[[int, int], tuple[tuple[int, int, int], ...]], bytes]
+_PartPost = tuple[str, int, int, tuple[_SlicePost, ...]]
+# One WRITE to post: memory kind, device, ranges written, (src, dst, length) pairs, bytes, entries.
+_Write = tuple[str, int, list[HeldRange], Sequence[tuple[int, int, int]], int, list[bytes]]
+
+
+def _shifted(cut: Callable[..., tuple[tuple[int, int, int], ...]], per_layer: int, src_heads: int, dst_heads: int,
+             src_head: int, dst_head: int, num_heads: int, lo: int, hi: int) -> tuple[tuple[int, int, int], ...]:
+    return cut(lo, hi, per_layer, src_heads, dst_heads, src_head, dst_head, num_heads)
+
+
+def _part_writes(cid: int, posts: Sequence[_PartPost], layers: Sequence[tuple[int, int]], src_base: int,
+                 src_len: int) -> list[_Write]:
+    """The WRITEs of the layer ranges `layers` of a layer-wise chunk: one per memory its readers'
+    ranges lie in, one notification entry per reader and range. Raises PlanError, as
+    plan_slot_writes, for a run outside the slot or the range."""
+    out: list[_Write] = []
+    for mem, device, group, parts in posts:
+        pairs: list[tuple[int, int, int]] = []
+        entries = []
+        for r, runs, head in parts:
+            dst, room_len = r.address, r.length
+            for lo, hi in layers:
+                for o, d, n in runs(lo, hi):
+                    if d + n > room_len or o + n > src_len:
+                        raise PlanError(f"chunk {cid} does not fit its slots")
+                    pairs.append((src_base + o, dst + d, n))
+                entries.append(part_entry(head, group, lo, hi))
+        out.append((mem, device, [r for r, _, _ in parts], tuple(pairs), sum(p[2] for p in pairs), entries))
+    return out
 
 
 class Scheduler:
@@ -108,6 +142,10 @@ class Scheduler:
 
     def _schedule(self, room: SendRoom, chunk: OutChunk) -> None:
         try:
+            if chunk.layers is not None and chunk.layers.posts is not None:
+                # A later post of a layer-wise chunk: its slices and ranges were settled at its first.
+                self._dispatch(room, chunk, ())
+                return
             slices = self._slices(room, chunk)
             if not slices:  # a GQA replica or an MLA rank other than 0: nothing to send
                 if chunk.layers is not None:
@@ -176,7 +214,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ dispatch
 
-    def _dispatch(self, room: SendRoom, chunk: OutChunk, slices: list[HeadSlice]) -> None:
+    def _dispatch(self, room: SendRoom, chunk: OutChunk, slices: Sequence[HeadSlice]) -> None:
         assert room.layout is not None and room.peer is not None
         if room.finished:
             self._chunk_done(room, chunk)
@@ -195,17 +233,22 @@ class Scheduler:
         if taken is None:
             return
         layers, bits, nparts = taken
-        runs: SliceRuns | None = None
-        if bits:
-            assert chunk.layers is not None
-            runs = layer_runs(room.layout, spec.num_tokens, chunk.layers.group, layers, room.prefill_tp,
-                              room.decode_tp or 0)
+        src_base, src_len = ring.base_addr + spec.slot.offset, ring.alloc.slot_length(spec.slot.offset) or 0
         try:
-            # The parts of this chunk for readers on one daemon (TP 1->4: four) go as one WRITE with
-            # one notification naming them all: a job, a post and a completion per chunk, not per part.
-            writes = plan_slot_writes(cid, slices, range_of, bytes_per_head(room.layout, spec.num_tokens),
-                                      ring.base_addr + spec.slot.offset, ring.alloc.slot_length(spec.slot.offset) or 0,
-                                      runs)
+            if bits:
+                assert chunk.layers is not None
+                posts = chunk.layers.posts
+                if posts is None:
+                    posts = chunk.layers.posts = self._part_posts(room, chunk, slices, range_of)
+                writes = _part_writes(cid, posts, layers, src_base, src_len)
+            else:
+                # The parts of this chunk for readers on one daemon (TP 1->4: four) go as one WRITE with
+                # one notification naming them all: a job, a post and a completion per chunk, not per part.
+                writes = [(w.mem, w.device, [r for _, r in w.parts], w.pairs, w.nbytes,
+                           [encode_notif(room.key, spec, s.writer, s.reader, r.held.spec.id, r.offset,
+                                         token=room.notif_token) for s, r in w.parts])
+                          for w in plan_slot_writes(cid, slices, range_of, bytes_per_head(room.layout, spec.num_tokens),
+                                                    src_base, src_len)]
         except PlanError as exc:
             self._fail(room, FailureCode.MISMATCH, str(exc))
             self._chunk_done(room, chunk)
@@ -213,27 +256,43 @@ class Scheduler:
         peer = room.peer
         window = self._window(peer)
         jobs = []
-        for w in writes:
-            ranges = [r for _, r in w.parts]
-            # One entry per reader, and per contiguous layer range of a layer-wise chunk.
-            entries = [encode_notif(room.key, spec, s.writer, s.reader, r.held.spec.id, r.offset,
-                                    token=room.notif_token, layers=lay if bits else None)
-                       for s, r in w.parts for lay in layers]
+        for mem, device, ranges, pairs, nbytes, entries in writes:
             if bits and len(entries) > MAX_PARTS:
                 self._fail(room, FailureCode.MISMATCH, f"chunk {cid}: {len(entries)} notification entries in "
                            f"one WRITE, over {MAX_PARTS}: send its layers in fewer ranges")
                 self._chunk_done(room, chunk)
                 return
             jobs.append(by_ipc(TransferJob(
-                remote="" if peer.is_self else peer.agent_name, pairs=w.pairs, notif=join_notifs(entries),
-                on_done=self._on_done, local_mem=ring.mem, remote_mem=w.mem, local_device=ring.device,
-                remote_device=w.device, tag=(room, chunk, ranges, bits, nparts), nbytes=w.nbytes,
+                remote="" if peer.is_self else peer.agent_name, pairs=pairs, notif=join_notifs(entries),
+                on_done=self._on_done, local_mem=ring.mem, remote_mem=mem, local_device=ring.device,
+                remote_device=device, tag=(room, chunk, ranges, bits, nparts), nbytes=nbytes,
                 credits=[r.held for r in ranges], merge_key=room.key,
             ), peer.daemon_id, peer.instance_id))
             for r in ranges:
                 window.write_started(r)
             nparts = 0  # counted once, with the first WRITE
         self._submit(room, chunk, jobs)
+
+    @staticmethod
+    def _part_posts(room: SendRoom, chunk: OutChunk, slices: Sequence[HeadSlice],
+                    range_of: Callable[[int], HeldRange]) -> tuple[_PartPost, ...]:
+        """A layer-wise chunk's WRITEs, settled at its first post (its slices, their reader ranges
+        and notification heads do not change): each later post only cuts its layers' runs."""
+        layout, spec = room.layout, chunk.spec
+        assert layout is not None and chunk.layers is not None
+        total, mla = layout.total_kv_heads, layout.mla
+        per_layer = layer_bytes(layout, spec.num_tokens)
+        cut = functools.partial(part_runs, layout.num_layers, chunk.layers.group)
+        groups: dict[tuple[str, int], list[_SlicePost]] = {}
+        for s in slices:
+            r = range_of(s.reader)
+            src_heads = rank_heads(total, room.prefill_tp, s.writer, mla).count
+            dst_heads = rank_heads(total, room.decode_tp or 0, s.reader, mla).count
+            runs = functools.partial(_shifted, cut, per_layer, src_heads, dst_heads, s.src_head, s.dst_head,
+                                     s.num_heads)
+            head = part_head(room.key, spec, s.writer, s.reader, r.held.spec.id, r.offset, token=room.notif_token)
+            groups.setdefault((r.held.spec.mem, r.held.spec.device), []).append((r, runs, head))
+        return tuple((mem, device, spec.layer_group, tuple(parts)) for (mem, device), parts in groups.items())
 
     def _dispatch_pages(self, room: SendRoom, chunk: OutChunk, slices: list[HeadSlice]) -> None:
         """Zero-copy: pool pages to pool pages (kvxferd.datapath.write_plan.plan_page_writes), one WRITE per reader."""
