@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shlex
+import statistics
 import sys
 import time
 import traceback
@@ -232,10 +234,13 @@ class EnginesBench:
                 for route in order[shift:] + order[:shift]:
                     step(f"round {r + 1}/{self.s.rounds}, {conc} in flight: {LABELS[route]}")
                     meter = TreeCpuMeter(meter_roots)
+                    load = os.getloadavg()[0]
                     meter.start()
                     got, wall = self._send(route, conc)
                     cpu = meter.stop()
                     self.points.append(self._point(route, conc, r, got, wall, cpu))
+                    # The machine is shared: its 1-min load average before and after the point.
+                    self.points[-1]["load_1m"] = [round(load, 2), round(os.getloadavg()[0], 2)]
                     step("")
 
     def profile(self, step: Callable[[str], None]) -> None:
@@ -404,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
         "checks": bench.checks,
         "summary": summary,
         "points": bench.points,
+        "load_1m_median": (statistics.median(x for p in bench.points for x in p["load_1m"])
+                           if bench.points else None),
         "profiles": bench.profiles,
         "requests": [{"index": r.index, "prompt_tokens": len(r.prompt)} for r in bench.requests],
         "failures": [f[-3000:] for f in bench.failures],

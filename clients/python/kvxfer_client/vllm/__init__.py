@@ -214,6 +214,15 @@ class KvxferdConnector(KVConnectorBase_V1):
         assert isinstance(meta, KvxferdMetadata)
         return meta.plan
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # The one worker call that always comes before the forward: vLLM 0.32 calls start_load_kv
+        # after it when the step loads nothing synchronously (kv_connector_model_runner_mixin's
+        # start_after_forward), which is every prefill step; slots taken there would leave every
+        # layer hook without an open chunk, and a layer-wise chunk would go whole after the forward.
+        if self._worker is not None and isinstance(connector_metadata, KvxferdMetadata):
+            self._worker.start_sends(connector_metadata.plan)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if self._worker is not None:
             self._worker.start_loads(self._plan())
@@ -235,7 +244,8 @@ class KvxferdConnector(KVConnectorBase_V1):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self._worker is None:
             return KVConnectorTransferResults()
-        done, failed = self._worker.transfer_results(finished_req_ids)
+        idle = self.has_connector_metadata() and self._plan().idle
+        done, failed = self._worker.transfer_results(finished_req_ids, idle=idle)
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def build_connector_worker_meta(self) -> KvxferdWorkerMeta | None:

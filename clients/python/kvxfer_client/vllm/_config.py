@@ -49,7 +49,8 @@ class Settings:
     load_failure_policy: str = ""
     # Layer-wise streaming (docs/design/layerwise.md §3.1): a prefill room of at least
     # layerwise_min_tokens tokens goes as layer parts, each group enqueued as the forward computes
-    # it; layer_group layers a part (0: auto, parts >= 1 MiB and <= 16 groups a chunk).
+    # it; layer_group layers a part (0: auto, _layers.group_size: about sqrt(hidden work / per-part cost) groups,
+    # at most 16).
     layerwise: bool = False
     layer_group: int = 0
     layerwise_min_tokens: int = 256
@@ -120,3 +121,6 @@ class StepPlan:
     sends: list[SendChunk] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
     aborts: list[int] = field(default_factory=list)  # prefill rooms whose request ended before its last chunk
+    # Nothing scheduled this step: vLLM's engine loop is only waiting (for loads, here), and steps
+    # again 1 ms after this one returns.
+    idle: bool = False

@@ -1,14 +1,15 @@
 """Layer-wise sends and loads of the vLLM connector (issue #37, docs/design/layerwise.md §3.1).
 
-Prefill: a layer-wise chunk's slot is acquired at ``start_load_kv``, before the forward, so the
-forward never waits for ring space. ``save_kv_layer`` at a group's last layer gathers that group
+Prefill: a layer-wise chunk's slot is acquired when the step's plan is bound
+(``bind_connector_metadata``, before the forward; vLLM 0.32 calls ``start_load_kv`` after it), so
+the forward never waits for ring space. ``save_kv_layer`` at a group's last layer gathers that group
 of every open chunk of the step into its slot (group-major ``[groups, heads, g, 2, tokens,
 head_dim]``) and enqueues the groups of all rooms as one call without waiting for the verdicts
 (``enqueue_layers(wait=False)``): the daemon writes a group while the next ones compute.
 ``wait_for_save`` sends what a hook did not (none, when every layer's hook ran), seals the rooms
 whose prompt ended this step and reads every verdict in one round trip (``_send.SendPath``).
 
-Decode: a chunk is scattered once it is complete (every layer held), group by group; vLLM runs
+Decode: each group is scattered as it lands (``watch(layer_progress)``, ``_worker.py``); vLLM runs
 an asynchronously loaded request only after its whole load finished, so ``wait_for_layer_load``
 has nothing left to wait for.
 """
@@ -16,6 +17,7 @@ has nothing left to wait for.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,19 +31,28 @@ from kvxfer_client.vllm._paged import CacheShape
 
 logger = logging.getLogger(__name__)
 
-# Auto group size (layer_group 0): a part of at least this many bytes, at most this many parts
-# a chunk: larger parts cost less CPU a byte, more groups hide more of the transfer (design §4).
-MIN_PART_BYTES = 1 << 20
+# Auto group size (layer_group 0). Streaming a chunk in G parts hides all but the last part of
+# the work that follows its gather (the daemons' write, the decode side's scatter), T; each part
+# past the first costs a fixed C (a gather and an enqueue call on the forward thread, a part in
+# each daemon, an event and a scatter call on the decode side). What stays exposed, T/G + (G-1)C,
+# is least at G = sqrt(T/C). Measured on the 2-core VM (vLLM CPU, 2 KV heads, fp32): C ~0.6 ms
+# (CPU summed over the processes); T ~1.25 ms a MiB on CPU KV (decode scatter ~1 GB/s under load
+# plus the write), ~0.3 ms a MiB through the pinned host path of an H100
+# (layerwise-gpu-h100-2026-11-28.json: 1 GiB in ~340 ms). At most MAX_GROUPS parts a chunk
+# keeps parts/s within one daemon event loop (design §4).
+PART_COST_S = 6e-4
+HIDE_S_PER_BYTE = {"cpu": 1.25e-3 / (1 << 20), "cuda": 0.33e-3 / (1 << 20)}
 MAX_GROUPS = 16
 
 
-def group_size(setting: int, num_layers: int, layer_bytes: int) -> int:
-    """Layers a group of a chunk whose one layer is ``layer_bytes``; ``num_layers``: whole."""
+def group_size(setting: int, num_layers: int, layer_bytes: int, device: str = "cpu") -> int:
+    """Layers a group of a chunk whose one layer is ``layer_bytes`` (KV on ``device``);
+    ``num_layers``: whole."""
     if setting:
         return min(setting, num_layers)
-    by_count = -(-num_layers // MAX_GROUPS)
-    by_bytes = -(-MIN_PART_BYTES // max(1, layer_bytes))
-    return min(num_layers, max(by_count, by_bytes))
+    hide_s = num_layers * layer_bytes * HIDE_S_PER_BYTE.get(device, HIDE_S_PER_BYTE["cpu"])
+    groups = max(1, min(num_layers, MAX_GROUPS, round(math.sqrt(hide_s / PART_COST_S))))
+    return -(-num_layers // groups)
 
 
 @dataclass
@@ -70,7 +81,7 @@ class LayerSends:
     def group_of(self, c: SendChunk) -> int:
         s = self.shape
         layer_bytes = 2 * s.local_heads * (c.end - c.start) * s.head_size * s.dtype.itemsize
-        return group_size(c.layer_group, len(s.layers), layer_bytes)
+        return group_size(c.layer_group, len(s.layers), layer_bytes, s.pages.device.type)
 
     def open(self, tx: PrefillSender, c: SendChunk) -> bool:
         """Acquires the chunk's slot (before the forward); False: it goes whole (one group)."""

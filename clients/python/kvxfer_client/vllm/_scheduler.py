@@ -194,7 +194,8 @@ class ConnectorScheduler:
 
     # -- every step ----------------------------------------------------------------------------
     def build_plan(self, so: Any) -> StepPlan:
-        plan = StepPlan(loads=self._loads, aborts=self._aborts)
+        plan = StepPlan(loads=self._loads, aborts=self._aborts,
+                        idle=not getattr(so, "total_num_scheduled_tokens", 1))
         self._loads, self._aborts = [], []
         self._handed.clear()  # the last step's outputs have gone out
         computed: dict[str, int] = {}

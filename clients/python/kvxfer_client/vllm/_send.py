@@ -42,10 +42,14 @@ class SendPath:
         self._dead: dict[int, str] = {}  # rooms failed here -> why; their later chunks are skipped
         self.failed: dict[str, str] = {}  # request ids of failed rooms, for the scheduler side
         self.layers = LayerSends(shape, acquire_timeout_s, self._fail)
+        self._started: StepPlan | None = None  # the last plan start() took slots for
 
     def start(self, plan: StepPlan) -> None:
         """Before the forward: slots for the step's layer-wise chunks, so no layer hook waits for
         ring space. One that cannot be had fails its room (save() then skips it)."""
+        if plan is self._started:
+            return  # taken already for this step (the connector binds the plan, then starts loads)
+        self._started = plan
         wanted = [c for c in plan.sends if c.layerwise]
         if not wanted:
             return

@@ -46,6 +46,12 @@ __all__ = ["CacheShape", "ConnectorWorker"]
 # Events carry what a load needs (the landed chunk, the room's end), so no load waits for it.
 _SWEEP_ACTIVE_S = 0.5
 _SWEEP_IDLE_S = 1.0
+# A step with nothing scheduled while loads are pending waits this long for one of them to end
+# (it returns at once when one does). vLLM's engine loop otherwise steps every 1 ms: measured on
+# 2 shared cores, a decode engine holding concurrent-leg requests spun ~0.25 of a core (an empty
+# step costs ~1.2 ms of CPU) for the whole prefill, taken from the prefill engine; 10 ms still
+# left ~0.12. The cost: a request arriving meanwhile is scheduled up to this much later.
+IDLE_WAIT_S = 0.02
 
 
 @dataclass
@@ -82,6 +88,7 @@ class ConnectorWorker:
         self._finished: list[_Load] = []
         self._releases: list[tuple[DecodeReceiver, int]] = []  # ended rooms, released by the watcher
         self._stop = threading.Event()
+        self._ended = threading.Event()  # set when a load ends (wakes an idle step's wait)
         # (epoch, room events) in the lists they arrived in; None asks the watcher for a sweep.
         self._events: queue.SimpleQueue[tuple[int, list[RoomEvent]] | None] = queue.SimpleQueue()
         self.tx_link: Reattach[PrefillSender] | None = None
@@ -145,11 +152,15 @@ class ConnectorWorker:
         """Request ids whose rooms failed here since the last call, with why (for the scheduler)."""
         return self.sends.take_failed() if self.sends is not None else {}
 
-    # -- decode --------------------------------------------------------------------------------
-    def start_loads(self, plan: StepPlan) -> None:
-        """Before the forward: slots for layer-wise sends, then the step's loads expected."""
+    def start_sends(self, plan: StepPlan) -> None:
+        """Before the forward: slots for the step's layer-wise sends (once per plan)."""
         if self.sends is not None:
             self.sends.start(plan)
+
+    # -- decode --------------------------------------------------------------------------------
+    def start_loads(self, plan: StepPlan) -> None:
+        """The step's loads expected (and layer-wise slots, if start_sends did not take them)."""
+        self.start_sends(plan)
         link = self.rx_link
         if link is None:
             return
@@ -176,8 +187,17 @@ class ConnectorWorker:
             else:
                 ld.expected = True
 
-    def transfer_results(self, finished_req_ids: Iterable[str]) -> tuple[set[str], set[str]]:
-        """(finished loads, failed loads): request ids; failed ones are in both sets."""
+    def transfer_results(self, finished_req_ids: Iterable[str], idle: bool = False) -> tuple[set[str], set[str]]:
+        """(finished loads, failed loads): request ids; failed ones are in both sets. ``idle``: the
+        step scheduled nothing; with loads pending and none ended, wait up to IDLE_WAIT_S for one."""
+        finished_req_ids = list(finished_req_ids)
+        if idle and not finished_req_ids:
+            with self._lock:
+                waiting = not self._finished and any(not ld.finished for ld in self._loads.values())
+                if waiting:
+                    self._ended.clear()  # under the lock: a load ending after this sets it again
+            if waiting:
+                self._ended.wait(IDLE_WAIT_S)
         for rid in finished_req_ids:
             # A request vLLM finished (aborted) while its KV was loading: end the room; the
             # watcher reports the load once nothing writes into its blocks any more.
@@ -381,6 +401,7 @@ class ConnectorWorker:
             self._loads.pop(ld.spec.room, None)
             self._by_req.pop(ld.spec.req_id, None)
             self._finished.append(ld)
+            self._ended.set()
             if ld.rx is not None:
                 # Released by the watcher: a release may wait (page fence) and the step must not.
                 self._releases.append((ld.rx, ld.spec.room))
@@ -396,6 +417,7 @@ class ConnectorWorker:
 
     def close(self) -> None:
         self._stop.set()
+        self._ended.set()
         self._events.put(None)
         for link in (self.tx_link, self.rx_link):
             if link is not None:
